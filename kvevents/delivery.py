@@ -1,0 +1,46 @@
+"""What a Subscriber hands its consumer: deliveries, and per-publisher health."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .events import KVEventBatch
+
+
+class DeliveryKind(enum.Enum):
+    BATCH = "batch"  #: a decoded batch, in sequence order for its publisher
+    RESET = "reset"  #: the publisher's sequence went backwards (it restarted): drop its state
+    GAP = "gap"  #: batches were lost for good (replay could not cover them); ``missed`` says how many
+
+
+@dataclass(slots=True)
+class Delivery:
+    kind: DeliveryKind
+    publisher: str  #: the publisher's identity: its name in the subscriber's config, else its PUB endpoint
+    topic: str
+    seq: int  #: BATCH: the batch's seq; RESET: the first seq after the restart; GAP: the first missing seq
+    batch: KVEventBatch | None = None
+    recv_ts: float = 0.0  #: wall-clock seconds when the frame was received
+    missed: int = 0  #: GAP only: how many batches were lost
+    replayed: bool = False  #: BATCH only: it came from the replay socket, not live
+
+
+class HealthState(enum.Enum):
+    SYNCED = "SYNCED"
+    RECOVERING = "RECOVERING"  #: a gap was seen and a replay is outstanding
+    STALE = "STALE"  #: nothing received for longer than the configured stale time
+
+
+@dataclass(slots=True)
+class PublisherHealth:
+    publisher: str
+    state: HealthState = HealthState.SYNCED
+    last_seq: int = -1
+    last_recv_ts: float = 0.0
+    received: int = 0
+    gaps: int = 0
+    recovered: int = 0  #: batches delivered from replay to fill gaps
+    unrecoverable: int = 0  #: batches lost for good
+    resets: int = 0
+    malformed: dict[str, int] = field(default_factory=dict)  #: by kind: frames, seq, payload, replay
