@@ -24,6 +24,7 @@ class Delivery:
     recv_ts: float = 0.0  #: wall-clock seconds when the frame was received
     missed: int = 0  #: GAP only: how many batches were lost
     replayed: bool = False  #: BATCH only: it came from the replay socket, not live
+    reason: str = ""  #: GAP only: "lost" (replay could not cover it) or "malformed" (an undecodable payload)
 
 
 class HealthState(enum.Enum):

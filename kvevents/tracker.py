@@ -1,0 +1,177 @@
+"""Per-publisher sequence tracking: the subscriber's logic, with no sockets in it.
+
+The socket layer (:mod:`kvevents.subscriber`) feeds a :class:`SeqTracker` what arrives —
+live batches, replayed batches, the replay end marker, the passing of time — and sends a
+replay request whenever ``tracker.request`` is set. The tracker returns deliveries, in
+sequence order, without duplicates:
+
+* a live seq equal to the next expected one is delivered at once;
+* a live seq past it is a gap: with a replay endpoint the tracker asks for replay from the
+  first missing seq and holds live batches until the answer ends; the replayed batches are
+  delivered first, then the held ones. What replay could not cover becomes a GAP delivery
+  with its size; a held gap may be asked for once more before it is given up;
+* a live seq below the expected one means the publisher restarted: a RESET delivery, then
+  the stream starts again from seq 0 (missing early seqs of the new run are a gap as above);
+* a malformed payload (seq known, batch undecodable) is a GAP of one with reason "malformed".
+"""
+
+from __future__ import annotations
+
+from .delivery import Delivery, DeliveryKind, HealthState, PublisherHealth
+from .events import KVEventBatch
+
+BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
+
+
+class SeqTracker:
+    __slots__ = ("publisher", "topic", "can_replay", "health", "expected", "recovering", "late",
+                 "pending", "attempts", "request", "deadline", "replay_timeout", "max_pending",
+                 "max_attempts")
+
+    def __init__(self, publisher: str, topic: str = "", *, can_replay: bool = False, late_join: bool = False,
+                 replay_timeout: float = 2.0, max_pending: int = 10_000, max_attempts: int = 2,
+                 now: float = 0.0) -> None:
+        self.publisher = publisher
+        self.topic = topic
+        self.can_replay = can_replay
+        self.health = PublisherHealth(publisher, last_recv_ts=now)
+        self.expected: int | None = None  # next seq to deliver; None before the first
+        self.recovering = False
+        self.late = False  # recovering for a late join: the first replayed seq sets `expected`
+        self.pending: dict[int, tuple[KVEventBatch | None, float]] = {}
+        self.attempts = 0
+        self.request: int | None = None  # a replay request the socket layer must send
+        self.deadline = 0.0
+        self.replay_timeout = replay_timeout
+        self.max_pending = max_pending
+        self.max_attempts = max_attempts
+        if late_join and can_replay:
+            self.late = True
+            self._recover(0, now)
+
+    # ---- inputs ---------------------------------------------------------------------------
+
+    def on_live(self, seq: int, batch: KVEventBatch | None, now: float, topic: str = "") -> list[Delivery]:
+        h = self.health
+        h.received += 1
+        h.last_recv_ts = now
+        if topic:
+            self.topic = topic
+        out: list[Delivery] = []
+        if self.recovering:
+            if self.expected is not None and seq < self.expected and not self.late:
+                self._abandon(out, now)  # restarted while we were recovering
+                self._reset(out, seq, now)
+                return self._accept(out, seq, batch, now)
+            self.pending[seq] = (batch, now)
+            if len(self.pending) > self.max_pending:
+                self._abandon(out, now)
+            return out
+        return self._accept(out, seq, batch, now)
+
+    def on_replay(self, seq: int, batch: KVEventBatch | None, now: float) -> list[Delivery]:
+        out: list[Delivery] = []
+        if not self.recovering:
+            return out  # a late answer to a request already given up: ignored
+        self.health.last_recv_ts = now
+        if self.expected is None:
+            self.expected = seq
+            self.late = False
+        if seq < self.expected:
+            return out
+        if seq > self.expected:
+            self._gap(out, self.expected, seq - self.expected, now, "lost")
+        self.health.recovered += 1
+        self._emit(out, seq, batch, now, replayed=True)
+        self.deadline = now + self.replay_timeout  # progress: keep waiting for the end marker
+        return out
+
+    def on_replay_end(self, now: float) -> list[Delivery]:
+        out: list[Delivery] = []
+        if self.recovering:
+            self.recovering = False
+            self.late = False
+            self._drain(out, now, may_retry=True)
+        return out
+
+    def tick(self, now: float) -> list[Delivery]:
+        """Called as time passes: gives up a replay whose answer did not come in time."""
+        out: list[Delivery] = []
+        if self.recovering and now >= self.deadline:
+            self._abandon(out, now)
+        return out
+
+    def state(self, now: float, stale_after: float) -> HealthState:
+        if self.recovering:
+            return HealthState.RECOVERING
+        if now - self.health.last_recv_ts > stale_after:
+            return HealthState.STALE
+        return HealthState.SYNCED
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _accept(self, out: list[Delivery], seq: int, batch, now: float) -> list[Delivery]:
+        exp = self.expected
+        if exp is None or seq == exp:
+            self._emit(out, seq, batch, now)
+        elif seq > exp:
+            self.health.gaps += 1
+            if self.can_replay and self.attempts < self.max_attempts:
+                self.pending[seq] = (batch, now)
+                self._recover(exp, now)
+            else:
+                self._gap(out, exp, seq - exp, now, "lost")
+                self._emit(out, seq, batch, now)
+        else:
+            self._reset(out, seq, now)
+            return self._accept(out, seq, batch, now)
+        return out
+
+    def _emit(self, out: list[Delivery], seq: int, batch, now: float, replayed: bool = False) -> None:
+        self.expected = seq + 1
+        self.health.last_seq = seq
+        if batch is None:
+            out.append(Delivery(GAP, self.publisher, self.topic, seq, None, now, 1, False, "malformed"))
+        else:
+            out.append(Delivery(BATCH, self.publisher, self.topic, seq, batch, now, 0, replayed))
+        if not self.recovering:
+            self.attempts = 0
+
+    def _gap(self, out: list[Delivery], first: int, missed: int, now: float, reason: str) -> None:
+        self.health.unrecoverable += missed
+        out.append(Delivery(GAP, self.publisher, self.topic, first, None, now, missed, False, reason))
+        self.expected = first + missed
+
+    def _reset(self, out: list[Delivery], seq: int, now: float) -> None:
+        self.health.resets += 1
+        self.pending.clear()
+        self.attempts = 0
+        out.append(Delivery(RESET, self.publisher, self.topic, seq, None, now))
+        self.expected = 0
+
+    def _recover(self, start: int, now: float) -> None:
+        self.recovering = True
+        self.attempts += 1
+        self.request = start
+        self.deadline = now + self.replay_timeout
+
+    def _abandon(self, out: list[Delivery], now: float) -> None:
+        """Replay did not answer (or too much piled up): deliver what is held, gaps named."""
+        self.recovering = False
+        self.late = False
+        self.request = None
+        self._drain(out, now, may_retry=False)
+
+    def _drain(self, out: list[Delivery], now: float, *, may_retry: bool) -> None:
+        for seq in sorted(self.pending):
+            if self.expected is not None and seq < self.expected:
+                del self.pending[seq]
+                continue
+            if self.expected is not None and seq > self.expected:
+                if may_retry and self.can_replay and self.attempts < self.max_attempts:
+                    self._recover(self.expected, now)
+                    return
+                self._gap(out, self.expected, seq - self.expected, now, "lost")
+            batch, _ = self.pending.pop(seq)
+            self._emit(out, seq, batch, now)
+        self.attempts = 0

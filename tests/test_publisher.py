@@ -1,0 +1,293 @@
+"""The publisher: vLLM's frames and replay protocol, never blocking, bounded, counted."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+import kvevents
+from kvevents import ConfigError, EndpointError, EventPublisherFactory, KVEventsConfig, ZmqEventPublisher
+from kvevents.endpoints import offset_endpoint, should_bind, validate_endpoint
+
+from .pubsub_helpers import batch, collect_until, free_tcp_port, ipc_pair
+
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+def _raw_sub(endpoint: str) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.SUB)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    s.connect(endpoint)
+    return s
+
+
+def _recv(sock: zmq.Socket, timeout_ms: int = 5000) -> list[bytes]:
+    assert sock.poll(timeout_ms), "nothing received in time"
+    return sock.recv_multipart()
+
+
+def test_live_frames_are_vllms() -> None:
+    ep, rep = ipc_pair()
+    pub = ZmqEventPublisher(ep, rep, topic="kv@pod@m")
+    sub = _raw_sub(ep)
+    try:
+        # slow joiner: publish until the first frame arrives
+        deadline = time.monotonic() + 10
+        while not sub.poll(20):
+            assert time.monotonic() < deadline
+            pub.publish(batch(0))
+        frames = sub.recv_multipart()
+        assert len(frames) == 3
+        topic, seq, payload = frames
+        assert topic == b"kv@pod@m" and len(seq) == 8
+        assert payload == kvevents.encode_batch(batch(0))
+        first = int.from_bytes(seq, "big")
+        pub.publish(batch(7))
+        frames = _recv(sub)
+        assert int.from_bytes(frames[1], "big") == first + 1
+        assert kvevents.decode_batch(frames[2]) == batch(7)
+    finally:
+        sub.close(0)
+        pub.shutdown()
+
+
+def test_replay_protocol_is_vllms() -> None:
+    ep, rep = ipc_pair()
+    pub = ZmqEventPublisher(ep, rep, topic="t")
+    for i in range(10):
+        pub.publish(batch(i))
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(rep)
+    try:
+        assert collect_until(lambda: pub.stats()["ring_batches"] == 10)  # rung once sent
+        dealer.send_multipart([b"", (6).to_bytes(8, "big")])
+        answers = [_recv(dealer) for _ in range(5)]
+        assert [int.from_bytes(a[2], "big") for a in answers[:4]] == [6, 7, 8, 9]
+        for empty, topic, seq, payload in answers[:4]:
+            assert empty == b"" and topic == b"t"
+            assert kvevents.decode_batch(payload) == batch(int.from_bytes(seq, "big"))
+        assert answers[4] == [b"", b"", END, b""]
+        assert pub.stats()["replay_batches_served"] == 4
+    finally:
+        dealer.close(0)
+        pub.shutdown()
+
+
+def test_ring_is_bounded_by_count_and_bytes() -> None:
+    ep, _ = ipc_pair()
+    by_count = ZmqEventPublisher(ep, buffer_steps=5)
+    payload_len = len(kvevents.encode_batch(batch(19, 4)))  # the last three are the same size
+    ep2, _ = ipc_pair()
+    by_bytes = ZmqEventPublisher(ep2, buffer_bytes=payload_len * 3 + 1)
+    for p in (by_count, by_bytes):
+        for i in range(20):
+            p.publish(batch(i, 4))
+        p.shutdown(timeout=5)
+    assert by_count.stats()["ring_batches"] == 5 and by_count.stats()["ring_evicted"] == 15
+    assert by_bytes.stats()["ring_batches"] == 3 and by_bytes.stats()["ring_bytes"] <= payload_len * 3 + 1
+
+
+def test_publish_never_blocks_when_the_queue_is_full() -> None:
+    ep, rep = ipc_pair()
+    pub = ZmqEventPublisher(ep, rep, max_queue_size=10, buffer_steps=10_000)
+    pub._ring.lock.acquire()  # stall the live thread inside its first ring append
+    done = threading.Event()
+
+    def flood() -> None:
+        for i in range(2000):
+            pub.publish(batch(i))
+        done.set()
+
+    t = threading.Thread(target=flood)
+    t.start()
+    try:
+        assert done.wait(30), "publish() blocked on a full queue"
+    finally:
+        pub._ring.lock.release()
+    t.join()
+    report = pub.shutdown(timeout=10)
+    s = pub.stats()
+    assert s["overflow"] >= 2000 - 2 * 10  # at most a queue-full in the queue and one in the stalled thread
+    assert s["overflow_lost"] == 0  # replay_only policy: overflowed batches went to the ring
+    assert report.unsent == 0
+    # nothing silent: every seq is either sent live or kept in the ring
+    assert s["batches_published"] + s["overflow"] == 2000
+    assert s["ring_batches"] == 2000
+
+
+def test_drop_oldest_policy_counts_losses() -> None:
+    ep, _ = ipc_pair()
+    pub = ZmqEventPublisher(ep, max_queue_size=4, overflow="drop_oldest")
+    pub._ring.lock.acquire()
+    try:
+        for i in range(100):
+            pub.publish(batch(i))
+    finally:
+        pub._ring.lock.release()
+    pub.shutdown(timeout=10)
+    s = pub.stats()
+    assert s["overflow"] == s["overflow_lost"] >= 100 - 5
+    assert s["batches_published"] + s["overflow_lost"] == 100
+
+
+def test_shutdown_flushes_and_reports() -> None:
+    ep, _ = ipc_pair()
+    pub = ZmqEventPublisher(ep)
+    for i in range(500):
+        pub.publish(batch(i))
+    report = pub.shutdown(timeout=10)
+    assert report.clean and report.flushed <= 500
+    assert pub.stats()["batches_published"] == 500
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pub.publish(batch(0))
+
+
+def test_shutdown_reports_what_it_could_not_send() -> None:
+    ep, _ = ipc_pair()
+    gate = threading.Event()
+    pub = ZmqEventPublisher(ep, drop_live=lambda seq: not gate.wait(30))
+    for i in range(50):
+        pub.publish(batch(i))
+    report = pub.shutdown(timeout=0.05)
+    gate.set()
+    assert report.unsent >= 40
+    assert report.unsent_seqs == sorted(report.unsent_seqs) and report.unsent_seqs[-1] == 49
+
+
+def test_replay_clients_are_rate_limited_but_answered() -> None:
+    ep, rep = ipc_pair()
+    pub = ZmqEventPublisher(ep, rep, replay_rate=50.0, replay_burst=2)
+    for i in range(3):
+        pub.publish(batch(i))
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(rep)
+    try:
+        ends = 0
+        for _ in range(6):
+            dealer.send_multipart([b"", (1 << 64 - 1).to_bytes(8, "big")])
+            while True:
+                frames = _recv(dealer)
+                if frames[2] == END:
+                    ends += 1
+                    break
+        assert ends == 6
+        assert pub.stats()["replay_rate_limited"] >= 3
+        assert pub.stats()["replay_requests"] == 6
+    finally:
+        dealer.close(0)
+        pub.shutdown()
+
+
+def test_malformed_replay_requests_are_counted() -> None:
+    ep, rep = ipc_pair()
+    pub = ZmqEventPublisher(ep, rep)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(rep)
+    try:
+        dealer.send_multipart([b"", b"\x01\x02"])
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert _recv(dealer)[2] == END  # still serving after the bad one
+        assert pub.stats()["replay_malformed"] == 1
+    finally:
+        dealer.close(0)
+        pub.shutdown()
+
+
+def test_tcp_loopback_and_dp_rank_offsets() -> None:
+    port = free_tcp_port()
+    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port - 1}", mode="bind", data_parallel_rank=1)
+    try:
+        assert pub.endpoint == f"tcp://127.0.0.1:{port}"
+        sub = _raw_sub(pub.endpoint)
+        deadline = time.monotonic() + 10
+        while not sub.poll(20):
+            assert time.monotonic() < deadline
+            pub.publish(batch(1))
+        assert len(sub.recv_multipart()) == 3
+        sub.close(0)
+    finally:
+        pub.shutdown()
+    ep, rep = ipc_pair()
+    pub2 = ZmqEventPublisher(ep, rep, data_parallel_rank=2)
+    assert (pub2.endpoint, pub2.replay_endpoint) == (ep + "_dp2", rep + "_dp2")
+    pub2.shutdown()
+
+
+@pytest.mark.parametrize("endpoint,rank,expected", [
+    ("tcp://*:5557", 0, "tcp://*:5557"),
+    ("tcp://*:5557", 3, "tcp://*:5560"),
+    ("tcp://10.0.0.1:6000", 1, "tcp://10.0.0.1:6001"),
+    ("ipc:///tmp/kv", 2, "ipc:///tmp/kv_dp2"),
+    ("inproc://cache", 1, "inproc://cache_dp1"),
+    (None, 4, None),
+])
+def test_offset_endpoint(endpoint, rank, expected) -> None:
+    assert offset_endpoint(endpoint, rank) == expected
+
+
+def test_bind_or_connect_rules() -> None:
+    assert should_bind("tcp://*:5557") and should_bind("tcp://0.0.0.0:1") and should_bind("ipc:///x")
+    assert should_bind("inproc://x") and not should_bind("tcp://10.0.0.1:5557")
+    assert should_bind("tcp://10.0.0.1:5557", "bind") and not should_bind("ipc:///x", "connect")
+
+
+@pytest.mark.parametrize("bad", ["", "localhost:5557", "tcp://host", "tcp://h:99999", "udp://h:1", "tcp://:x"])
+def test_bad_endpoints_are_typed_errors(bad) -> None:
+    with pytest.raises(EndpointError):
+        validate_endpoint(bad)
+    with pytest.raises(EndpointError):
+        ZmqEventPublisher(bad)
+
+
+def test_port_offset_past_65535_is_an_error() -> None:
+    with pytest.raises(EndpointError, match="65535"):
+        offset_endpoint("tcp://*:65535", 1)
+
+
+def test_bind_conflict_is_an_endpoint_error() -> None:
+    ep, _ = ipc_pair()
+    port = free_tcp_port()
+    a = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", mode="bind")
+    try:
+        with pytest.raises(EndpointError, match="cannot open"):
+            ZmqEventPublisher(f"tcp://127.0.0.1:{port}", mode="bind")
+    finally:
+        a.shutdown()
+
+
+def test_bad_config_values() -> None:
+    ep, _ = ipc_pair()
+    with pytest.raises(ConfigError, match="overflow"):
+        ZmqEventPublisher(ep, overflow="block")
+    with pytest.raises(ConfigError, match="buffer_steps"):
+        ZmqEventPublisher(ep, buffer_steps=0)
+    with pytest.raises(TypeError, match="KVEventBatch"):
+        ZmqEventPublisher(ep).publish({"ts": 1})
+
+
+def test_factory_registry() -> None:
+    assert isinstance(EventPublisherFactory.create(), kvevents.NullEventPublisher)
+    null = EventPublisherFactory.create(KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
+    null.publish(batch(0))
+    assert null.stats() == {"batches": 1, "events": 1}
+    ep, rep = ipc_pair()
+    zp = EventPublisherFactory.create(KVEventsConfig(True, "zmq", ep, rep, topic="x"), data_parallel_rank=1)
+    assert isinstance(zp, ZmqEventPublisher) and zp.endpoint == ep + "_dp1"
+    zp.shutdown()
+    with pytest.raises(ConfigError, match="known: .*null.*zmq"):
+        EventPublisherFactory.create(KVEventsConfig(True, "kafka"))
+    EventPublisherFactory.register("mine-test", "kvevents.publisher_base", "NullEventPublisher")
+    with pytest.raises(ConfigError, match="already registered"):
+        EventPublisherFactory.register("mine-test", "x", "y")
+    EventPublisherFactory.register("broken-test", "no.such.module", "X")
+    with pytest.raises(ConfigError, match="cannot be loaded"):
+        EventPublisherFactory.create(KVEventsConfig(True, "broken-test"))
+    with pytest.raises(ConfigError, match="unknown KVEventsConfig field"):
+        KVEventsConfig.from_dict({"endpoint": "tcp://*:1", "bogus": 1})
