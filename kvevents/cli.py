@@ -1,0 +1,158 @@
+"""The ``kvevents`` command.
+
+Verbs: ``tail`` (follow publishers, one line per event, a periodic health line), ``demo``
+(the main job), and ``record`` / ``replay`` / ``inspect`` / ``convert-capture``
+(:mod:`kvevents.cli_record`). Bad input is one line on stderr and exit code 2; an
+unreachable replay socket is exit code 3; no tracebacks for either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+import threading
+import time
+
+from . import cli_record
+from .delivery import Delivery, DeliveryKind
+from .errors import KVEventsError
+from .events import AllBlocksCleared, BlockRemoved, BlockStored
+
+#: The demo verb: the whole simulated cluster when it is installed, else the in-process loop.
+DEMO_MODULES = ("kvdemo.cluster", "kvevents.demo")
+
+
+def _short(h) -> str:
+    if h is None:
+        return "-"
+    if isinstance(h, bytes):
+        return h[:6].hex()
+    return f"{h & 0xFFFFFFFFFFFFFFFF:016x}"[:12]
+
+
+def format_event(d: Delivery, ev) -> str:
+    head = f"{d.publisher} seq={d.seq}{' (replay)' if d.replayed else ''}"
+    if isinstance(ev, BlockStored):
+        hashes = ",".join(_short(h) for h in ev.block_hashes[:4]) + ("…" if len(ev.block_hashes) > 4 else "")
+        lora = f" lora={ev.lora_name}" if ev.lora_name else ""
+        group = f" group={ev.group_idx}" if ev.group_idx is not None else ""
+        return (f"{head} STORED  medium={ev.medium or '-'} blocks={len(ev.block_hashes)} block_size={ev.block_size} "
+                f"tokens={len(ev.token_ids)} parent={_short(ev.parent_block_hash)} [{hashes}]{lora}{group}")
+    if isinstance(ev, BlockRemoved):
+        hashes = ",".join(_short(h) for h in ev.block_hashes[:4]) + ("…" if len(ev.block_hashes) > 4 else "")
+        return f"{head} REMOVED medium={ev.medium or '-'} blocks={len(ev.block_hashes)} [{hashes}]"
+    if isinstance(ev, AllBlocksCleared):
+        return f"{head} CLEARED all blocks"
+    return f"{head} {type(ev).__name__}"
+
+
+def format_delivery(d: Delivery) -> list[str]:
+    if d.kind is DeliveryKind.BATCH:
+        return [format_event(d, ev) for ev in d.batch.events]
+    if d.kind is DeliveryKind.RESET:
+        return [f"{d.publisher} RESET: sequence went back to {d.seq} (publisher restarted)"]
+    return [f"{d.publisher} GAP: {d.missed} batch(es) from seq {d.seq} lost ({d.reason})"]
+
+
+def health_line(sub) -> str:
+    parts = []
+    for name, h in sub.health().items():
+        bad = sum(h.malformed.values())
+        parts.append(f"{name} {h.state.value} last_seq={h.last_seq} recv={h.received} gaps={h.gaps} "
+                     f"recovered={h.recovered} lost={h.unrecoverable} resets={h.resets} malformed={bad}")
+    return "# health: " + ("; ".join(parts) if parts else "no publisher heard yet")
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from .subscriber import PublisherSpec, Subscriber
+
+    replays = args.replay or []
+    if len(replays) > len(args.endpoints):
+        raise KVEventsError(f"{len(replays)} --replay endpoints for {len(args.endpoints)} publisher endpoint(s)")
+    specs = [PublisherSpec(ep, replays[i] if i < len(replays) else None) for i, ep in enumerate(args.endpoints)]
+    sub = Subscriber(specs, topic=args.topic, late_join=args.late_join, stale_after=args.stale_after)
+    try:
+        if replays:
+            dead = [n for n, ok in sub.probe_replay(args.probe_timeout).items() if not ok]
+            if dead:
+                eps = [s.replay_endpoint for s in specs if s.endpoint in dead]
+                print(f"kvevents tail: error: replay endpoint {', '.join(eps)} did not answer within "
+                      f"{args.probe_timeout}s (is the publisher running with a replay socket there?)",
+                      file=sys.stderr)
+                return 3
+        stop = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        start = last_health = time.monotonic()
+        out = sys.stdout
+        while not stop.is_set():
+            for d in sub.poll(100):
+                for line in format_delivery(d):
+                    out.write(line + "\n")
+            now = time.monotonic()
+            if now - last_health >= args.health_every:
+                out.write(health_line(sub) + "\n")
+                last_health = now
+            out.flush()
+            if args.duration is not None and now - start >= args.duration:
+                break
+        out.write(health_line(sub) + "\n")
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        sub.close()
+
+
+def _demo_module():
+    for name in DEMO_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name not in (name, name.split(".")[0]):
+                raise
+    raise KVEventsError("no demo module is installed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvevents", description="KV-cache event streaming: vLLM-compatible "
+                                     "publisher, self-healing subscriber, recording tools and a demo.")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = sub.add_parser("tail", help="follow publishers and print their events",
+                       description="One line per event (hashes shortened, medium, block size, token count) and "
+                                   "a periodic health line.")
+    p.add_argument("endpoints", nargs="+", metavar="ENDPOINT", help="PUB endpoint(s) to connect to")
+    p.add_argument("--replay", action="append", metavar="ENDPOINT",
+                   help="replay endpoint of each publisher, in ENDPOINT order")
+    p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
+    p.add_argument("--late-join", action="store_true", help="first replay what the publisher still buffers")
+    p.add_argument("--duration", type=float, metavar="S", help="stop after S seconds (default: until Ctrl-C)")
+    p.add_argument("--health-every", type=float, default=5.0, metavar="S", help="health line period (default 5)")
+    p.add_argument("--stale-after", type=float, default=10.0, metavar="S",
+                   help="a publisher silent this long is STALE (default 10)")
+    p.add_argument("--probe-timeout", type=float, default=2.0, metavar="S",
+                   help="how long a replay endpoint has to answer the start-up probe (default 2)")
+    p.set_defaults(func=cmd_tail)
+
+    _demo_module().add_subcommand(sub)
+    cli_record.add_subcommands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KVEventsError as exc:
+        print(f"kvevents {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

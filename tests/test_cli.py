@@ -1,0 +1,56 @@
+"""The kvevents command: tail's output, demo, and exit codes on bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvevents import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+from kvevents.cli import main
+
+from .pubsub_helpers import collect_until, ipc_pair
+
+
+def test_tail_prints_one_line_per_event_and_health(capsys) -> None:
+    ep, rep = ipc_pair()
+    pub = ZmqEventPublisher(ep, rep, topic="kv@pod-a@m")
+    pub.publish(KVEventBatch(1.0, [
+        BlockStored([0xDEADBEEF12345678, 2], None, list(range(32)), 16, None, "GPU", "sql"),
+        BlockStored([2], None, [], 0, None, "CPU", None),
+        BlockRemoved([0xDEADBEEF12345678], "GPU"),
+    ], 0))
+    try:
+        assert collect_until(lambda: pub.stats()["ring_batches"] == 1)
+        rc = main(["tail", ep, "--replay", rep, "--late-join", "--duration", "2", "--health-every", "0.5"])
+    finally:
+        pub.shutdown()
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    events = [line for line in out if not line.startswith("#")]
+    assert events[0].startswith(f"{ep} seq=0 (replay) STORED  medium=GPU blocks=2 block_size=16 tokens=32")
+    assert "deadbeef1234" in events[0] and "lora=sql" in events[0]
+    assert "STORED  medium=CPU blocks=1 block_size=0 tokens=0" in events[1]
+    assert "REMOVED medium=GPU blocks=1 [deadbeef1234]" in events[2]
+    health = [line for line in out if line.startswith("# health:")]
+    assert health and "SYNCED" in health[-1] and "recv=0" in health[-1] and "recovered=1" in health[-1]
+
+
+def test_tail_bad_endpoint_is_one_line_and_exit_2(capsys) -> None:
+    assert main(["tail", "localhost:5557"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no supported scheme" in err[0]
+
+
+def test_tail_unreachable_replay_is_exit_3(capsys) -> None:
+    ep, rep = ipc_pair()
+    assert main(["tail", ep, "--replay", rep, "--probe-timeout", "0.2", "--duration", "0"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did not answer" in err[0] and rep in err[0]
+
+
+def test_demo_runs_and_loses_nothing_silently() -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvevents.cli", "demo", "--duration", "1.5"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "silently lost 0" in proc.stdout
+    assert "Traceback" not in proc.stderr
