@@ -1,0 +1,20 @@
+"""consumers: the router index and scorer, record/replay tools, the contract kit."""
+
+from .keys import DEFAULT_BLOCK_SIZE, model_seed, request_keys
+from .router import KVRouter, pod_from_topic
+from .router_config import RouterConfig, RouterInputError, RouterStats
+from .score import Explanation, Score, TierMatch
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "Explanation",
+    "KVRouter",
+    "RouterConfig",
+    "RouterInputError",
+    "RouterStats",
+    "Score",
+    "TierMatch",
+    "model_seed",
+    "pod_from_topic",
+    "request_keys",
+]

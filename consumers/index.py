@@ -1,0 +1,226 @@
+"""The router's block index: which (endpoint, tier) slots hold each prefix key.
+
+Compact by design (no object per entry):
+
+* ``masks``: ``dict[key, int]``: one small-int bitmask per request key; bit
+  ``tier * cap + slot`` says "endpoint ``slot`` holds this prefix in tier ``tier``".
+  Tier-major layout keeps the GPU bits low, so most masks stay one or two machine words.
+  The dict's insertion order is the LRU order: storing a key moves it to the end.
+* ``parents``: ``dict[key, parent_key]`` so an offloaded chunk (named by its last block)
+  can be walked back to the blocks it spans.
+* ``LearnedMap``: per model, engine block hash -> the router key of that block (an int), or
+  ``(key, tail_tokens, n_keys)`` when the engine block does not end on a canonical boundary.
+
+The entry budget counts (key, slot, tier) entries, i.e. set bits; keys whose mask fell to
+zero are kept (their parent link is still useful) but count against the budget too.
+Eviction removes least recently stored keys, in chunks, down to a low-water mark, so the
+budget holds after every ``apply``.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+
+__all__ = ["BlockIndex", "LearnedMap"]
+
+
+class BlockIndex:
+    __slots__ = (
+        "masks",
+        "parents",
+        "cap",
+        "max_tiers",
+        "entries",
+        "max_entries",
+        "low_water",
+        "evicted_keys",
+        "evicted_entries",
+    )
+
+    def __init__(self, max_entries: int = 1 << 22, *, cap: int = 64, max_tiers: int = 4) -> None:
+        if max_entries <= 0:
+            raise ValueError(f"max_entries must be > 0, got {max_entries}")
+        self.masks: dict[int, int] = {}
+        self.parents: dict[int, int] = {}
+        self.cap = cap
+        self.max_tiers = max_tiers
+        self.entries = 0
+        self.max_entries = max_entries
+        self.low_water = max_entries - max(1, max_entries // 64)
+        self.evicted_keys = 0
+        self.evicted_entries = 0
+
+    # --- bits -----------------------------------------------------------------------------
+    def bit(self, tier: int, slot: int) -> int:
+        return 1 << (tier * self.cap + slot)
+
+    def lane(self, tier: int) -> tuple[int, int]:
+        """``(shift, full)``: ``(mask >> shift) & full`` is tier ``tier``'s slot mask."""
+        return tier * self.cap, (1 << self.cap) - 1
+
+    def slot_bits(self, slot: int) -> int:
+        """Every tier's bit of ``slot``."""
+        b = 0
+        for t in range(self.max_tiers):
+            b |= 1 << (t * self.cap + slot)
+        return b
+
+    def grow(self, new_cap: int) -> None:
+        """Re-lay every mask for ``new_cap`` slots per tier (rare: O(keys))."""
+        old, T = self.cap, self.max_tiers
+        if new_cap <= old:
+            return
+        full = (1 << old) - 1
+        masks = self.masks
+        for k, m in masks.items():
+            if m:
+                n = 0
+                for t in range(T):
+                    lane = (m >> (t * old)) & full
+                    if lane:
+                        n |= lane << (t * new_cap)
+                masks[k] = n
+        self.cap = new_cap
+
+    # --- updates --------------------------------------------------------------------------
+    def add_chain(self, keys: list[int], bit: int, parent: int | None) -> None:
+        """Set ``bit`` on ``keys`` (a chain) and link each key to its predecessor."""
+        masks = self.masks
+        pop = masks.pop
+        new = 0
+        for k in keys:
+            m = pop(k, 0)
+            if not m & bit:
+                new += 1
+            masks[k] = m | bit
+        self.entries += new
+        parents = self.parents
+        if len(keys) > 1:
+            parents.update(zip(keys[1:], keys))
+        if parent is not None and keys:
+            parents[keys[0]] = parent
+        if self.entries > self.max_entries or len(masks) > self.max_entries:
+            self.evict()
+
+    def add(self, keys: list[int], bit: int) -> None:
+        """Set ``bit`` on ``keys`` (no parent links: an offload join)."""
+        masks = self.masks
+        pop = masks.pop
+        new = 0
+        for k in keys:
+            m = pop(k, 0)
+            if not m & bit:
+                new += 1
+            masks[k] = m | bit
+        self.entries += new
+        if self.entries > self.max_entries or len(masks) > self.max_entries:
+            self.evict()
+
+    def remove(self, keys: list[int], bit: int) -> int:
+        """Clear ``bit`` on ``keys``; returns how many entries went away."""
+        masks = self.masks
+        gone = 0
+        for k in keys:
+            m = masks.get(k)
+            if m is not None and m & bit:
+                masks[k] = m & ~bit
+                gone += 1
+        self.entries -= gone
+        return gone
+
+    def clear_bits(self, bits: int) -> int:
+        """Clear ``bits`` on every key (a reset/clear/purge: O(keys)); returns entries cleared."""
+        masks = self.masks
+        hit = [k for k, m in masks.items() if m & bits]
+        keep = ~bits
+        gone = 0
+        for k in hit:
+            m = masks[k]
+            gone += (m & bits).bit_count()
+            masks[k] = m & keep
+        self.entries -= gone
+        return gone
+
+    def evict(self) -> None:
+        """Drop least recently stored keys until under the low-water mark."""
+        masks, parents = self.masks, self.parents
+        target = self.low_water
+        while self.entries > target or len(masks) > target:
+            victims = list(islice(masks, 256))
+            if not victims:
+                break
+            for k in victims:
+                m = masks.pop(k)
+                parents.pop(k, None)
+                n = m.bit_count()
+                self.entries -= n
+                self.evicted_entries += n
+                self.evicted_keys += 1
+                if self.entries <= target and len(masks) <= target:
+                    break
+
+    # --- queries --------------------------------------------------------------------------
+    def walk_back(self, key: int, n: int, stop: int | None = None) -> list[int]:
+        """Up to ``n`` keys ending at ``key`` (``key`` last), or until ``stop`` is reached."""
+        parents = self.parents
+        out = [key]
+        k = key
+        while len(out) < n:
+            k = parents.get(k)  # type: ignore[assignment]
+            if k is None or k == stop:
+                break
+            out.append(k)
+        out.reverse()
+        return out
+
+    def keys_between(self, key: int, stop: int, limit: int) -> list[int] | None:
+        """The keys after ``stop`` up to and including ``key``; None if ``stop`` is not an
+        ancestor within ``limit`` steps."""
+        parents = self.parents
+        out = [key]
+        k = key
+        for _ in range(limit):
+            k = parents.get(k)  # type: ignore[assignment]
+            if k is None:
+                return None
+            if k == stop:
+                out.reverse()
+                return out
+            out.append(k)
+        return None
+
+    def __len__(self) -> int:
+        return len(self.masks)
+
+
+class LearnedMap:
+    """Engine block hash -> router key, one dict per model, bounded (oldest learned go first)."""
+
+    __slots__ = ("maps", "size", "max_size", "evicted")
+
+    def __init__(self, max_size: int) -> None:
+        self.maps: dict[str, dict[object, object]] = {}
+        self.size = 0
+        self.max_size = max_size
+        self.evicted = 0
+
+    def for_model(self, model: str) -> dict[object, object]:
+        m = self.maps.get(model)
+        if m is None:
+            m = self.maps[model] = {}
+        return m
+
+    def recount(self) -> None:
+        self.size = sum(len(m) for m in self.maps.values())
+        if self.size > self.max_size:
+            self._evict()
+
+    def _evict(self) -> None:
+        low = self.max_size - max(1, self.max_size // 64)
+        while self.size > low:
+            biggest = max(self.maps.values(), key=len)
+            n = min(len(biggest), self.size - low)
+            for h in list(islice(biggest, n)):
+                del biggest[h]
+            self.size -= n
+            self.evicted += n

@@ -1,0 +1,81 @@
+"""The router's own request keys: chained hashes of canonical token blocks.
+
+A key names a prefix, not a block: ``key[j]`` depends on every token in blocks ``0..j``
+and on the model and LoRA the prompt is for. The router computes the same keys from an
+engine's ``BlockStored`` token ids and from a prompt, so it can score any prompt without
+knowing the engine's own hash function or seed.
+
+The hash is CPython's tuple hash over ints, which is deterministic for int tuples (no
+``PYTHONHASHSEED`` randomisation applies to ints) and, measured on this code base, about
+about ten times faster than a ``hashlib.blake2b`` chain (``benchmarks/router.py`` prints both):
+
+* content hash of a block: ``hash(tuple_of_block_size_token_ids)``, computed at C speed
+  with ``map(hash, zip(*[iter(tokens)] * block_size))``;
+* chain: ``key[j] = hash((key[j-1], content[j]))``, with ``key[-1]`` the seed of
+  ``(model, lora_name)`` (an 8-byte blake2b digest of their names).
+
+Only full canonical blocks get a key; a prompt's trailing partial block is never matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "model_seed", "chain_keys", "request_keys", "as_token_list"]
+
+DEFAULT_BLOCK_SIZE = 16
+
+_SEEDS: dict[tuple[str, str | None], int] = {}
+
+
+def model_seed(model: str, lora_name: str | None = None) -> int:
+    """The chain's starting value for ``(model, lora_name)``: stable across processes."""
+    key = (model, lora_name)
+    seed = _SEEDS.get(key)
+    if seed is None:
+        if not isinstance(model, str):
+            raise TypeError(f"model must be a str, got {type(model).__name__}")
+        text = f"{model}\x00{'' if lora_name is None else lora_name}".encode()
+        seed = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+        if len(_SEEDS) < 4096:
+            _SEEDS[key] = seed
+    return seed
+
+
+def chain_keys(tokens: Sequence[int], parent: int, block_size: int) -> list[int]:
+    """Keys of every full ``block_size`` block of ``tokens``, chained on from ``parent``."""
+    out: list[int] = []
+    append = out.append
+    k = parent
+    for c in map(hash, zip(*[iter(tokens)] * block_size)):
+        k = hash((k, c))
+        append(k)
+    return out
+
+
+def as_token_list(tokens: object) -> list[int] | tuple[int, ...]:
+    """Accept a list/tuple of ints or anything with ``tolist()`` (numpy, torch)."""
+    if type(tokens) is list or type(tokens) is tuple:
+        return tokens  # type: ignore[return-value]
+    tolist = getattr(tokens, "tolist", None)
+    if tolist is not None:
+        out = tolist()
+        if isinstance(out, list):
+            return out
+    try:
+        return list(tokens)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}") from None
+
+
+def request_keys(
+    tokens: Sequence[int],
+    model: str,
+    lora_name: str | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> list[int]:
+    """The router keys of a prompt: one per full canonical block."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    return chain_keys(as_token_list(tokens), model_seed(model, lora_name), block_size)

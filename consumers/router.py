@@ -1,0 +1,379 @@
+"""KVRouter: a KV-cache-aware prefix router fed by KV events from many pods.
+
+Its core needs no sockets: ``apply(pod, batch)`` feeds it one decoded batch,
+``reset_pod``/``remove_pod`` drop a pod's state, ``score``/``pick``/``explain`` answer.
+``run(subscriber)`` drives it from anything that yields :class:`kvevents.delivery.Delivery`
+(a live :class:`kvevents.Subscriber`), resets and gaps included.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+
+from kvevents.events import KVEventBatch
+
+from .index import BlockIndex, LearnedMap
+from .ingest import Endpoint, IngestMixin
+from .keys import as_token_list, chain_keys, model_seed
+from .router_config import RouterConfig, RouterInputError, RouterStats
+from .score import Explanation, Score, TierMatch, walk
+
+__all__ = ["KVRouter", "pod_from_topic"]
+
+_BUILTIN_TIERS = ("GPU", "CPU", "STORAGE")
+
+
+def pod_from_topic(topic: str) -> tuple[str | None, str | None]:
+    """``kv@<pod>@<model>`` -> ``(pod, model)``; ``(None, None)`` for any other topic."""
+    if topic.startswith("kv@"):
+        parts = topic.split("@", 2)
+        if len(parts) == 3 and parts[1]:
+            return parts[1], parts[2] or None
+    return None, None
+
+
+class KVRouter(IngestMixin):
+    def __init__(self, config: RouterConfig | None = None, **overrides: object) -> None:
+        if config is None:
+            config = RouterConfig(**overrides)  # type: ignore[arg-type]
+        elif overrides:
+            raise TypeError("pass either a RouterConfig or keyword overrides, not both")
+        self._cfg = config
+        self._bs = config.block_size
+        self._index = BlockIndex(config.max_entries, max_tiers=config.max_tiers)
+        self._learned = LearnedMap(config.max_learned or config.max_entries)
+        self.stats = RouterStats()
+        self._tiers: dict[str, int] = {}
+        self._tier_names: list[str] = []
+        for name in _BUILTIN_TIERS[: config.max_tiers]:
+            self._tier(name)
+        self._endpoints: dict[tuple[str, int], Endpoint] = {}
+        self._slots: dict[int, Endpoint] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._pending: OrderedDict = OrderedDict()
+        self._pending_by_hash: dict[object, list] = {}
+        self._pod_model: dict[str, str] = {}
+        self._pub_pod: dict[str, str] = {}
+        self._health: dict[str, str] = {}  #: pod -> RECOVERING / STALE (SYNCED pods absent)
+
+    @property
+    def config(self) -> RouterConfig:
+        return self._cfg
+
+    # --- endpoints ------------------------------------------------------------------------
+    def _endpoint(self, pod: str, rank: int | None, model: str | None) -> Endpoint:
+        key = (pod, rank or 0)
+        ep = self._endpoints.get(key)
+        if ep is not None:
+            return ep
+        if not isinstance(pod, str) or not pod:
+            raise RouterInputError(f"pod must be a non-empty str, got {pod!r}")
+        model = model or self._pod_model.get(pod) or self._cfg.model
+        if model is None:
+            raise RouterInputError(f"pod {pod!r}: no model (topic kv@<pod>@<model>, apply(model=...) "
+                                   "or RouterConfig.model)")
+        self._pod_model[pod] = model
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            slot = self._next_slot
+            self._next_slot += 1
+            if slot >= self._index.cap:
+                self._index.grow(self._index.cap * 2)
+        ep = Endpoint(pod, rank or 0, slot, model, self._learned.for_model(model))
+        self._endpoints[key] = ep
+        self._slots[slot] = ep
+        return ep
+
+    def pods(self) -> list[str]:
+        return sorted({ep.pod for ep in self._endpoints.values()})
+
+    # --- feeding --------------------------------------------------------------------------
+    def apply(self, pod: str, batch: KVEventBatch, *, model: str | None = None, strict: bool = False) -> None:
+        """Feed one decoded batch from ``pod`` (its ``data_parallel_rank`` picks the endpoint).
+
+        Bad events are counted in ``stats.errors`` and skipped (raised with ``strict=True``).
+        """
+        if not isinstance(batch, KVEventBatch):
+            raise TypeError(f"apply expects a KVEventBatch, got {type(batch).__name__}")
+        ep = self._endpoint(pod, batch.data_parallel_rank, model)
+        self.stats.batches += 1
+        self._apply_events(ep, batch.events, strict)
+        if self._pending:
+            self._expire_pending()
+        learned = self._learned
+        learned.size = sum(len(m) for m in learned.maps.values())
+        if learned.size > learned.max_size:
+            learned.recount()
+
+    def reset_pod(self, pod: str) -> None:
+        """The pod's publisher restarted: everything it told us is void."""
+        self.stats.resets += 1
+        for ep in self._pod_endpoints(pod):
+            self._clear_endpoint(ep)
+            ep.block_size = 0
+            ep.chunk_keys.clear()
+            ep.token_tiers.clear()
+
+    def remove_pod(self, pod: str) -> None:
+        """The pod left the configuration: purge it."""
+        eps = self._pod_endpoints(pod)
+        if eps:
+            self.stats.purges += 1
+        for ep in eps:
+            self._clear_endpoint(ep)
+            del self._endpoints[(ep.pod, ep.rank)]
+            del self._slots[ep.slot]
+            self._free_slots.append(ep.slot)
+        self._pod_model.pop(pod, None)
+        self._health.pop(pod, None)
+
+    def mark_unreliable(self, pod: str) -> None:
+        """Events from ``pod`` were lost for good: its entries may be wrong until a clear/reset."""
+        self.stats.gaps += 1
+        for ep in self._pod_endpoints(pod):
+            ep.unreliable = True
+
+    def mark_resynced(self, pod: str) -> None:
+        """The caller has brought ``pod`` back in sync (e.g. re-fed it from a snapshot)."""
+        for ep in self._pod_endpoints(pod):
+            ep.unreliable = False
+
+    def set_health(self, pod: str, state: str) -> None:
+        """``SYNCED``, ``RECOVERING`` or ``STALE`` (``run`` does this from ``subscriber.health()``)."""
+        if state == "SYNCED":
+            self._health.pop(pod, None)
+        else:
+            self._health[pod] = state
+
+    def _pod_endpoints(self, pod: str) -> list[Endpoint]:
+        return [ep for ep in self._endpoints.values() if ep.pod == pod]
+
+    # --- driving from a subscriber ----------------------------------------------------------
+    def pod_for(self, publisher: str, topic: str) -> tuple[str, str | None]:
+        pod, model = pod_from_topic(topic)
+        configured = self._cfg.publisher_pods.get(publisher)
+        if configured is not None:
+            pod = configured
+        return (pod or publisher), model
+
+    def handle(self, delivery: object) -> None:
+        """Apply one :class:`kvevents.delivery.Delivery`."""
+        kind = getattr(getattr(delivery, "kind", None), "value", None)
+        pod, model = self.pod_for(delivery.publisher, delivery.topic)  # type: ignore[attr-defined]
+        self._pub_pod[delivery.publisher] = pod  # type: ignore[attr-defined]
+        if kind == "batch":
+            if delivery.batch is None:  # type: ignore[attr-defined]
+                self._error("empty_delivery", f"pod {pod!r}: BATCH delivery without a batch", False)
+                return
+            try:
+                self.apply(pod, delivery.batch, model=model)  # type: ignore[attr-defined]
+            except RouterInputError as exc:
+                self._error("bad_delivery", str(exc), False)
+        elif kind == "reset":
+            self.reset_pod(pod)
+            self.mark_resynced(pod)
+        elif kind == "gap":
+            self.mark_unreliable(pod)
+        else:
+            self._error("unknown_delivery", f"pod {pod!r}: delivery of unknown kind {kind!r}", False)
+
+    def refresh_health(self, subscriber: object) -> None:
+        health = getattr(subscriber, "health", None)
+        if not callable(health):
+            return
+        for publisher, h in health().items():
+            pod = self._pub_pod.get(publisher) or self._cfg.publisher_pods.get(publisher)
+            if pod is None:
+                continue
+            state = getattr(h, "state", h)
+            self.set_health(pod, getattr(state, "value", str(state)))
+
+    def run(self, subscriber: Iterable, *, stop: object = None) -> int:
+        """Apply every delivery ``subscriber`` yields until it ends (or ``stop.is_set()``);
+        polls ``subscriber.health()`` every ``health_every`` deliveries. Returns the count."""
+        every = self._cfg.health_every
+        n = 0
+        is_set = getattr(stop, "is_set", None)
+        self.refresh_health(subscriber)
+        for delivery in subscriber:
+            self.handle(delivery)
+            n += 1
+            if n % every == 0:
+                self.refresh_health(subscriber)
+            if is_set is not None and is_set():
+                break
+        self.refresh_health(subscriber)
+        return n
+
+    # --- answers --------------------------------------------------------------------------
+    def _model_for_query(self, model: str | None) -> str:
+        if model is not None:
+            return model
+        if self._cfg.model is not None:
+            return self._cfg.model
+        models = set(self._pod_model.values())
+        if len(models) == 1:
+            return next(iter(models))
+        raise RouterInputError(f"score: name the model (pods serve {sorted(models)!r})")
+
+    def _state(self, ep: Endpoint) -> str:
+        if ep.unreliable:
+            return "UNRELIABLE"
+        return self._health.get(ep.pod, "SYNCED")
+
+    def _factor(self, state: str) -> float:
+        return self._cfg.state_factors.get(state, 1.0)
+
+    def _stages(self) -> list[tuple[int, str, float]]:
+        w = self._cfg.tier_weights
+        d = self._cfg.default_tier_weight
+        tiers = [(t, name, w.get(name, d)) for name, t in self._tiers.items()]
+        tiers.sort(key=lambda x: (-x[2], x[0]))
+        return tiers
+
+    def _walk(self, tokens: object, lora_name: str | None, model: str | None):
+        toks = as_token_list(tokens)
+        model = self._model_for_query(model)
+        keys = chain_keys(toks, model_seed(model, lora_name), self._bs)
+        stages = self._stages()
+        index = self._index
+        full = (1 << index.cap) - 1
+        lanes = [(t * index.cap, full) for t, _, _ in stages]
+        start = 0
+        health = self._health
+        factors = self._cfg.state_factors
+        eps = []
+        for ep in self._endpoints.values():
+            if ep.model == model:
+                state = "UNRELIABLE" if ep.unreliable else health.get(ep.pod, "SYNCED")
+                factor = factors.get(state, 1.0)
+                eps.append((ep, state, factor))
+                if factor > 0:
+                    start |= 1 << ep.slot
+        segments, ends = walk(index.masks, keys, lanes, start)
+        return toks, keys, stages, segments, ends, model, eps
+
+    def score(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
+              load: Mapping[str, float] | None = None) -> dict[str, Score]:
+        """Pod -> :class:`Score` for every pod of ``model`` not excluded by its state."""
+        toks, keys, stages, segments, ends, model, eps = self._walk(tokens, lora_name, model)
+        C = self._bs
+        n_tokens = max(1, len(toks))
+        lw = self._cfg.load_weight
+        out: dict[str, Score] = {}
+        for ep, state, factor in eps:
+            if factor <= 0:
+                continue
+            by_tier: dict[str, int] = {}
+            weighted = 0.0
+            seg = segments.get(ep.slot)
+            matched = 0
+            if seg is not None:
+                end = ends.get(ep.slot, len(keys))
+                matched = end * C
+                for i, (stage, first) in enumerate(seg):
+                    last = seg[i + 1][1] if i + 1 < len(seg) else end
+                    if last > first:
+                        _, name, w = stages[stage]
+                        by_tier[name] = by_tier.get(name, 0) + (last - first) * C
+                        weighted += w * (last - first) * C
+            pod_load = 0.0 if load is None else float(load.get(ep.pod, 0.0))
+            total = factor * weighted / n_tokens - lw * pod_load
+            best = out.get(ep.pod)
+            if best is None or total > best.total:
+                out[ep.pod] = Score(ep.pod, total, by_tier, matched, ep.rank, state, factor, pod_load)
+        return out
+
+    def pick(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
+             load: Mapping[str, float] | None = None) -> str | None:
+        """The pod with the highest total (ties: lower load, then name); None if none is eligible."""
+        scores = self.score(tokens, lora_name, model=model, load=load)
+        if not scores:
+            return None
+        return min(scores.values(), key=lambda s: (-s.total, s.load, s.pod)).pod
+
+    def explain(self, tokens: object, lora_name: str | None = None, *,
+                model: str | None = None) -> dict[str, list[Explanation]]:
+        """Pod -> one :class:`Explanation` per data-parallel rank: what matched, tier by tier,
+        and why the match ended."""
+        toks, keys, stages, segments, ends, model, _eps = self._walk(tokens, lora_name, model)
+        C = self._bs
+        index = self._index
+        masks = index.masks
+        out: dict[str, list[Explanation]] = {}
+        for ep in sorted(self._endpoints.values(), key=lambda e: (e.pod, e.rank)):
+            if ep.model != model:
+                continue
+            state = self._state(ep)
+            factor = self._factor(state)
+            alone: dict[str, int] = {}
+            for t, name, _w in stages:
+                bit = index.bit(t, ep.slot)
+                n = 0
+                for k in keys:
+                    if not masks.get(k, 0) & bit:
+                        break
+                    n += 1
+                alone[name] = n * C
+            segs: list[TierMatch] = []
+            seg = segments.get(ep.slot)
+            end = ends.get(ep.slot, 0) if seg is not None else 0
+            if seg is not None:
+                for i, (stage, first) in enumerate(seg):
+                    last = seg[i + 1][1] if i + 1 < len(seg) else end
+                    if last > first:
+                        segs.append(TierMatch(stages[stage][1], first, last - first, (last - first) * C))
+            tail = len(toks) - len(keys) * C
+            if factor <= 0:
+                reason = f"excluded: pod state {state}"
+                ended = 0
+            elif end >= len(keys):
+                ended = None
+                reason = (f"end of prompt: all {len(keys)} full blocks matched"
+                          + (f"; the last {tail} tokens are not a full block" if tail else ""))
+            else:
+                ended = end
+                held = [name for t, name, _w in stages if masks.get(keys[end], 0) & index.bit(t, ep.slot)]
+                where = f"tokens {end * C}..{(end + 1) * C - 1}"
+                if held:
+                    reason = (f"block {end} ({where}) is only in tier(s) {held}, above the tier the "
+                              "match had moved down to")
+                elif keys[end] not in masks:
+                    reason = f"block {end} ({where}) is not indexed for any pod"
+                else:
+                    reason = f"block {end} ({where}) is in no tier of this pod"
+            out.setdefault(ep.pod, []).append(Explanation(
+                ep.pod, ep.rank, state, factor, end * C if factor > 0 else 0, segs, alone, ended, reason,
+                len(keys)))
+        return out
+
+    # --- introspection --------------------------------------------------------------------
+    def entries(self) -> int:
+        """Indexed (key, endpoint, tier) entries."""
+        return self._index.entries
+
+    def memory_report(self) -> dict[str, float]:
+        """Approximate bytes held by the index (dicts plus the int objects they own)."""
+        idx = self._index
+        size = sys.getsizeof
+        masks_b = size(idx.masks) + sum(size(k) + size(m) for k, m in idx.masks.items())
+        parents_b = size(idx.parents)
+        learned_b = 0
+        for m in self._learned.maps.values():
+            learned_b += size(m) + sum(size(h) for h in m)
+        total = masks_b + parents_b + learned_b
+        entries = max(1, idx.entries)
+        return {"entries": idx.entries, "keys": len(idx.masks), "learned": self._learned.size,
+                "bytes_masks": masks_b, "bytes_parents": parents_b, "bytes_learned": learned_b,
+                "bytes_total": total, "bytes_per_entry": total / entries}
+
+    def counters(self) -> dict[str, object]:
+        d = self.stats.as_dict()
+        d.update(entries=self._index.entries, keys=len(self._index.masks), evicted_keys=self._index.evicted_keys,
+                 evicted_entries=self._index.evicted_entries, learned=self._learned.size,
+                 learned_evicted=self._learned.evicted, pending=len(self._pending))
+        return d

@@ -1,0 +1,103 @@
+"""Configuration and counters of :class:`consumers.KVRouter`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from kvevents.errors import ConfigError
+
+from .keys import DEFAULT_BLOCK_SIZE
+
+__all__ = ["RouterConfig", "RouterStats", "RouterInputError"]
+
+
+class RouterInputError(ConfigError):
+    """An event the router cannot use (wrong token count, unknown tier beyond the limit, ...).
+
+    ``KVRouter.apply`` counts these in ``stats.errors`` and goes on; with ``strict=True`` it
+    raises them.
+    """
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    #: canonical block size of the router's keys (tokens per key)
+    block_size: int = DEFAULT_BLOCK_SIZE
+    #: model of pods whose topic does not name one (topic ``kv@<pod>@<model>`` wins)
+    model: str | None = None
+    #: publisher identity -> pod name (else the pod comes from the topic, else the identity)
+    publisher_pods: dict[str, str] = field(default_factory=dict)
+    #: weight per tier; the match walks tiers from the heaviest to the lightest
+    tier_weights: dict[str, float] = field(
+        default_factory=lambda: {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
+    )
+    default_tier_weight: float = 0.25
+    #: medium -> GPU blocks per offloaded chunk; unset media infer it from consecutive
+    #: hashes of one offload event (1 until inferred)
+    offload_chunk_blocks: dict[str, int] = field(default_factory=dict)
+    #: entry budget: (key, endpoint, tier) entries the index holds at most (LRU eviction)
+    max_entries: int = 1 << 22
+    #: engine-hash -> key mappings held at most (default: max_entries)
+    max_learned: int | None = None
+    #: offload events waiting for their GPU event: how many, and for how many batches
+    pending_capacity: int = 4096
+    pending_max_batches: int = 256
+    #: score factor by pod state; 0 excludes the pod from score()/pick()
+    state_factors: dict[str, float] = field(
+        default_factory=lambda: {"SYNCED": 1.0, "RECOVERING": 0.5, "STALE": 0.0, "UNRELIABLE": 0.0}
+    )
+    #: total -= load_weight * load[pod] when score()/pick() get a load map
+    load_weight: float = 0.0
+    #: kv-cache groups whose events are indexed (others are counted and skipped)
+    groups: frozenset = frozenset({None, 0})
+    #: distinct tiers (media) the index can hold
+    max_tiers: int = 4
+    #: how many keys an offloaded chunk may span at most when it is inferred
+    max_chunk_keys: int = 1024
+    #: health() is polled every this many deliveries in run()
+    health_every: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_entries", "pending_capacity", "pending_max_batches", "max_tiers",
+                     "max_chunk_keys", "health_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"RouterConfig.{name} must be a positive int, got {v!r}")
+        if self.max_learned is not None and self.max_learned <= 0:
+            raise ConfigError(f"RouterConfig.max_learned must be > 0, got {self.max_learned!r}")
+        for medium, n in self.offload_chunk_blocks.items():
+            if not isinstance(n, int) or n <= 0:
+                raise ConfigError(f"RouterConfig.offload_chunk_blocks[{medium!r}] must be a positive int, got {n!r}")
+        for tier, w in self.tier_weights.items():
+            if not isinstance(w, (int, float)) or w < 0:
+                raise ConfigError(f"RouterConfig.tier_weights[{tier!r}] must be >= 0, got {w!r}")
+        for state, f in self.state_factors.items():
+            if not isinstance(f, (int, float)) or f < 0:
+                raise ConfigError(f"RouterConfig.state_factors[{state!r}] must be >= 0, got {f!r}")
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """Plain-int counters; nothing is dropped without one of these moving."""
+
+    batches: int = 0
+    events: int = 0
+    blocks_stored: int = 0  #: GPU-style (token-carrying) blocks indexed
+    offload_blocks: int = 0  #: offload chunk hashes joined (directly or from pending)
+    blocks_removed: int = 0
+    remove_unknown: int = 0  #: BlockRemoved naming a hash the router never learned
+    clears: int = 0  #: AllBlocksCleared events
+    resets: int = 0  #: reset_pod calls (publisher restarts)
+    gaps: int = 0  #: unrecoverable gaps (pod marked unreliable)
+    purges: int = 0  #: remove_pod calls
+    orphan_blocks: int = 0  #: GPU blocks whose parent hash was unknown (cannot be keyed)
+    ignored_group_events: int = 0  #: events of kv-cache groups not indexed
+    pending_held: int = 0
+    pending_resolved: int = 0
+    pending_expired: int = 0
+    pending_dropped: int = 0  #: pushed out by pending_capacity
+    pending_cancelled: int = 0  #: removed or cleared before they could be joined
+    errors: dict[str, int] = field(default_factory=dict)  #: bad input, by kind
+
+    def as_dict(self) -> dict[str, object]:
+        return {f.name: (dict(v) if isinstance(v := getattr(self, f.name), dict) else v) for f in fields(self)}
