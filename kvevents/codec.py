@@ -44,6 +44,18 @@ class BatchEncoder:
         return self._enc.encode(batch)
 
 
+# What a malformed payload can raise inside msgspec: bad msgpack, bad UTF-8 in a string,
+# nesting deep enough to exhaust the stack.
+_MALFORMED = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+
+def _size(payload) -> str:
+    try:
+        return f"{len(payload)} bytes"
+    except TypeError:
+        return f"a {type(payload).__name__}, not bytes"
+
+
 class BatchDecoder:
     """Decodes either encoding into canonical :class:`KVEventBatch` structs."""
 
@@ -58,20 +70,25 @@ class BatchDecoder:
         try:
             return self._current.decode(payload)
         except msgspec.ValidationError as exc:
-            first = exc
-        except (msgspec.DecodeError, TypeError) as exc:
-            raise DecodeError(f"payload is not msgpack ({len(payload)} bytes): {exc}") from None
+            return self._fallback(payload, exc)
+        except _MALFORMED + (TypeError,) as exc:
+            raise DecodeError(f"payload is not msgpack ({_size(payload)}): {exc}") from None
+
+    def _fallback(self, payload, first: Exception) -> KVEventBatch:
+        """Not the current encoding: try the legacy arrays, then a map lacking required fields."""
         for dec in (self._legacy, self._lenient):
             try:
                 other = dec.decode(payload)
             except msgspec.ValidationError:
                 continue
+            except _MALFORMED as exc:
+                raise DecodeError(f"payload is malformed msgpack ({_size(payload)}): {exc}") from None
             return KVEventBatch(
                 ts=other.ts,
                 events=[to_canonical(e) for e in other.events],
                 data_parallel_rank=other.data_parallel_rank,
             )
-        raise DecodeError(f"payload is not a KVEventBatch ({len(payload)} bytes): {first}") from None
+        raise DecodeError(f"payload is not a KVEventBatch ({_size(payload)}): {first}") from None
 
 
 _ENCODER = BatchEncoder()
@@ -84,6 +101,12 @@ def encode_batch(batch: KVEventBatch, *, legacy: bool = False) -> bytes:
     return (_LEGACY_ENCODER if legacy else _ENCODER).encode(batch)
 
 
+_FAST_DECODE = _DECODER._current.decode
+
+
 def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
     """Decode a payload in either encoding; raises :class:`DecodeError` naming what was wrong."""
-    return _DECODER.decode(payload)
+    try:
+        return _FAST_DECODE(payload)  # the current encoding, one call deep
+    except Exception:
+        return _DECODER.decode(payload)

@@ -177,12 +177,21 @@ _LEGACY = {
 
 
 def to_canonical(event: msgspec.Struct) -> KVEvent:
-    """Turn a legacy or lenient event into the canonical (0.33) struct, defaults filled."""
-    cls = _CANONICAL[type(event).__struct_config__.tag]
-    return cls(**{f: getattr(event, f) for f in event.__struct_fields__ if f in cls.__struct_fields__})
+    """Turn a legacy or lenient event into the canonical (0.33) struct, defaults filled.
+
+    Legacy and lenient fields are a leading part of the canonical ones, in the same order
+    (asserted below), so the values pass positionally.
+    """
+    return _CANONICAL[type(event).__struct_config__.tag](*msgspec.structs.astuple(event))
 
 
 def to_legacy(event: KVEvent) -> msgspec.Struct:
     """The 0.22 array form of an event; fields the legacy layout lacks are dropped."""
     cls = _LEGACY[type(event)]
     return cls(**{f: getattr(event, f) for f in cls.__struct_fields__})
+
+
+for _lax in (LegacyBlockStored, LegacyBlockRemoved, LegacyAllBlocksCleared,
+             LenientBlockStored, LenientBlockRemoved, LenientAllBlocksCleared):
+    _fields = _lax.__struct_fields__
+    assert _CANONICAL[_lax.__struct_config__.tag].__struct_fields__[: len(_fields)] == _fields, _lax
