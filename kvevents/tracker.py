@@ -89,6 +89,10 @@ class SeqTracker:
     def on_replay_end(self, now: float) -> list[Delivery]:
         out: list[Delivery] = []
         if self.recovering:
+            if self.late and self.expected is None:
+                # an empty ring: nothing was published when we asked, so the stream starts at 0
+                # and whatever live batch we hold beyond it is a gap to ask for again
+                self.expected = 0
             self.recovering = False
             self.late = False
             self._drain(out, now, may_retry=True)

@@ -308,3 +308,14 @@ def test_tracker_pending_overflow_abandons_recovery() -> None:
         assert t.on_live(s, batch(s), 0) == []
     out = t.on_live(8, batch(8), 0)
     assert _kinds(out) == [("gap", 1, 4), ("batch", 5, 0), ("batch", 6, 0), ("batch", 7, 0), ("batch", 8, 0)]
+
+
+def test_tracker_late_join_on_an_empty_ring_starts_at_zero() -> None:
+    t = SeqTracker("p", can_replay=True, late_join=True)
+    assert t.request == 0
+    t.request = None
+    assert t.on_live(3, batch(3), 0) == []  # held: we are still waiting for the (empty) answer
+    assert t.on_replay_end(0) == [] and t.request == 0  # 0..2 published after we asked: ask again
+    out = t.on_replay(0, batch(0), 0) + t.on_replay(1, batch(1), 0) + t.on_replay(2, batch(2), 0)
+    out += t.on_replay_end(0)
+    assert [d.seq for d in out] == [0, 1, 2, 3]
