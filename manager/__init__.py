@@ -1,0 +1,67 @@
+"""manager: the tiered KV offload manager (CPU primary tier, cache policies, secondary tiers).
+
+The data model is imported eagerly (numpy only); everything else is loaded on first use, so
+``import manager`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .base import (
+    BlockIO,
+    LoadStoreSpec,
+    LookupResult,
+    NumpyBlockIO,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    make_offload_key,
+    split_offload_key,
+)
+
+#: public name -> module (relative to this package) that defines it, imported on first use.
+_LAZY = {
+    "CPUOffloadingManager": ".cpu",
+    "CachePolicy": ".policies",
+    "register_cache_policy": ".policies",
+    "create_cache_policy": ".policies",
+    "SecondaryTierManager": ".tiering",
+    "JobMetadata": ".tiering",
+    "JobResult": ".tiering",
+    "SecondaryTierFactory": ".tiering",
+    "TieringOffloadingManager": ".tiering",
+    "ExampleSecondaryTierManager": ".tiering",
+    "FileSystemSecondaryTierManager": ".tiering",
+}
+
+__all__ = [
+    "BlockIO",
+    "LoadStoreSpec",
+    "LookupResult",
+    "NumpyBlockIO",
+    "OffloadKey",
+    "OffloadPolicy",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+    "ReqContext",
+    "RequestOffloadingContext",
+    "make_offload_key",
+    "split_offload_key",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'manager' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,262 @@
+"""The CPU primary tier: a fixed pool of host blocks under a cache policy.
+
+Per block a ref count (a plain list indexed by block id): ``-1`` being written, ``0`` ready
+and evictable, ``> 0`` pinned by that many loads. Blocks being written or loaded, and every
+key of the current ``prepare_store``, are never evicted. ``prepare_store`` is all or nothing;
+a failed ``complete_store`` frees its blocks and emits nothing for them.
+
+Events (``enable_events=True``): stored keys when a store completes, removed keys when blocks
+are evicted, and on ``reset_cache()`` removals for everything dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvevents.errors import ConfigError
+
+from .base import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from .policies import CachePolicy, create_cache_policy
+
+__all__ = ["CPUOffloadingManager"]
+
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+_RETRY = LookupResult.RETRY
+_int64 = np.int64
+_EMPTY_IDS = np.empty(0, dtype=np.int64)
+_EMPTY_IDS.flags.writeable = False
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """A fixed pool of ``num_blocks`` host blocks managed by ``cache_policy``."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        cache_policy: str | CachePolicy = "lru",
+        enable_events: bool = False,
+        medium: str = "CPU",
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ConfigError(f"CPUOffloadingManager: num_blocks must be a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.medium = medium
+        if isinstance(cache_policy, CachePolicy):
+            self.policy = cache_policy
+        else:
+            self.policy = create_cache_policy(cache_policy, num_blocks)
+        self._blocks = self.policy.blocks  # key -> block id (owned by the policy)
+        self._ref: list[int] = [0] * num_blocks
+        # Pop from the end: block 0 is handed out first.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.enable_events = enable_events
+        self._events: list[OffloadingEvent] = []
+        self._req_keys: dict[str, list[OffloadKey]] = {}  # per live request, head to tail
+        # Counters (plain ints).
+        self.lookups = 0
+        self.hits = 0
+        self.stores_prepared = 0
+        self.stores_completed = 0
+        self.stores_failed = 0
+        self.store_rejections = 0  # prepare_store returned None
+        self.evictions = 0
+        self.loads = 0
+
+    # -- queries ----------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        b = self._blocks.get(key)  # type: ignore[arg-type]
+        return b is not None and self._ref[b] >= 0
+
+    def cached_keys(self) -> set[OffloadKey]:
+        """Every key stored and ready (ref count >= 0)."""
+        ref = self._ref
+        return {k for k, b in self._blocks.items() if ref[b] >= 0}
+
+    def block_id(self, key: OffloadKey) -> int | None:
+        return self._blocks.get(key)
+
+    def ref_count(self, key: OffloadKey) -> int | None:
+        b = self._blocks.get(key)
+        return None if b is None else self._ref[b]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    # -- OffloadingManager ------------------------------------------------------
+
+    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        self._req_keys[ctx.req_id] = []
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        keys = self._req_keys.pop(ctx.req_id, None)
+        if keys:
+            keys.reverse()
+            self.policy.refresh(keys)
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
+        self.lookups += 1
+        b = self._blocks.get(key)
+        if b is None:
+            return _MISS
+        if self._ref[b] < 0:
+            return _RETRY  # being written: readable once its store completes
+        self.hits += 1
+        return _HIT
+
+    def lookup_prefix(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> int:
+        """How many leading ``keys`` are HITs (stops at the first non-HIT)."""
+        blocks, ref = self._blocks, self._ref
+        n = 0
+        for key in keys:
+            b = blocks.get(key)
+            if b is None or ref[b] < 0:
+                break
+            n += 1
+        self.lookups += n + (n < len(keys))
+        self.hits += n
+        return n
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> LoadStoreSpec:
+        blocks, ref = self._blocks, self._ref
+        ids = []
+        append = ids.append
+        for key in keys:
+            b = blocks.get(key)
+            if b is None or ref[b] < 0:
+                # Undo the pins taken so far: all or nothing.
+                for done in ids:
+                    ref[done] -= 1
+                raise KeyError(f"prepare_load: key {key.hex()[:24]}... is not stored and ready")
+            ref[b] += 1
+            append(b)
+        self.loads += len(ids)
+        return LoadStoreSpec(self.medium, np.array(ids, dtype=_int64))
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
+        self.policy.touch(keys, self._ref)
+        if ctx is not None:
+            seen = self._req_keys.get(ctx.req_id)
+            if seen is not None:
+                seen.extend(keys)
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
+        blocks, ref = self._blocks, self._ref
+        for key in keys:
+            b = blocks.get(key)
+            if b is None or ref[b] <= 0:
+                raise KeyError(f"complete_load: key {key.hex()[:24]}... is not pinned by a load")
+            ref[b] -= 1
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> PrepareStoreOutput | None:
+        if ctx is not None:
+            seen = self._req_keys.get(ctx.req_id)
+            if seen is not None:
+                seen.extend(keys)
+        blocks = self._blocks
+        to_store = [k for k in keys if k not in blocks]
+        if not to_store:
+            return PrepareStoreOutput([], LoadStoreSpec(self.medium, _EMPTY_IDS), [])
+        if len(to_store) != len(set(to_store)):
+            to_store = list(dict.fromkeys(to_store))
+        n = len(to_store)
+        free = self._free
+        evicted_keys: list[OffloadKey] = []
+        if n > len(free):
+            if n > self.num_blocks:
+                self.store_rejections += 1
+                return None
+            protected = set(keys) if len(to_store) < len(keys) else ()
+            evicted = self.policy.evict(n - len(free), self._ref, protected)
+            if evicted is None:
+                self.store_rejections += 1
+                return None
+            for key, b in evicted:
+                evicted_keys.append(key)
+                free.append(b)
+            self.evictions += len(evicted)
+            if self.enable_events:
+                self._events.append(OffloadingEvent(evicted_keys, self.medium, True))
+        ref = self._ref
+        insert = self.policy.insert
+        ids = free[-n:]
+        del free[-n:]
+        ids.reverse()
+        for key, b in zip(to_store, ids):
+            ref[b] = -1
+            insert(key, b)
+        self.stores_prepared += n
+        return PrepareStoreOutput(to_store, LoadStoreSpec(self.medium, np.array(ids, dtype=_int64)), evicted_keys)
+
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None, success: bool = True) -> None:
+        blocks, ref = self._blocks, self._ref
+        if success:
+            stored = []
+            for key in keys:
+                b = blocks.get(key)
+                if b is not None and ref[b] == -1:
+                    ref[b] = 0
+                    stored.append(key)
+            self.stores_completed += len(stored)
+            if stored and self.enable_events:
+                self._events.append(OffloadingEvent(stored, self.medium, False))
+        else:
+            remove, free = self.policy.remove, self._free
+            for key in keys:
+                b = blocks.get(key)
+                if b is not None and ref[b] == -1:
+                    remove(key)
+                    ref[b] = 0
+                    free.append(b)
+                    self.stores_failed += 1
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def reset_cache(self) -> None:
+        """Drop every block not in use (ref count 0); blocks being written or loaded stay."""
+        ref = self._ref
+        dropped = [k for k, b in self._blocks.items() if ref[b] == 0]
+        if len(dropped) == len(self._blocks):
+            self.policy.clear()
+            self._free = list(range(self.num_blocks - 1, -1, -1))
+        else:
+            remove, free = self.policy.remove, self._free
+            for k in dropped:
+                free.append(remove(k))  # type: ignore[arg-type]
+        if dropped and self.enable_events:
+            self._events.append(OffloadingEvent(dropped, self.medium, True))
+        for seen in self._req_keys.values():
+            seen.clear()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_blocks": self.num_blocks,
+            "free_blocks": len(self._free),
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "loads": self.loads,
+            "stores_prepared": self.stores_prepared,
+            "stores_completed": self.stores_completed,
+            "stores_failed": self.stores_failed,
+            "store_rejections": self.store_rejections,
+            "evictions": self.evictions,
+        }

@@ -1,0 +1,129 @@
+"""The :class:`SecondaryTierManager` role and its job types.
+
+A secondary tier sits behind the primary (CPU) tier. The :class:`TieringOffloadingManager`
+hands it jobs:
+
+* a *store* job (``is_promotion=False``) copies primary blocks ``block_ids`` (pinned in the
+  primary until the job's result is processed) into the tier under ``keys``;
+* a *load* job (``is_promotion=True``) copies the tier's ``keys`` into the primary blocks
+  ``block_ids`` (reserved in the primary until the result is processed).
+
+Block bytes move through :attr:`SecondaryTierManager.block_io` (a :class:`manager.BlockIO`);
+a tier without one stores metadata only. ``submit_store``/``submit_load`` never block; every
+submitted job yields exactly one :class:`JobResult` through ``get_finished_jobs``.
+
+A tier reports what it holds as :class:`~manager.base.OffloadingEvent`\\ s in its own
+``medium``, in the order things happened, through ``take_events()`` (a pure drain).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..base import BlockIO, LookupResult, OffloadingEvent, OffloadKey, ReqContext, RequestOffloadingContext
+
+__all__ = ["JobMetadata", "JobResult", "SecondaryTierManager"]
+
+
+@dataclass(slots=True)
+class JobMetadata:
+    job_id: int
+    keys: list[OffloadKey]
+    #: primary block ids, aligned with ``keys`` (numpy int64).
+    block_ids: np.ndarray
+    #: True: tier -> primary (a load/promotion); False: primary -> tier (a store).
+    is_promotion: bool
+    req_context: ReqContext | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class JobResult:
+    job_id: int
+    success: bool
+
+
+class SecondaryTierManager(ABC):
+    """One secondary tier. ``tier_type`` is injected by the factory and kept as an attribute."""
+
+    #: the medium named in this tier's events.
+    medium: str = "STORAGE"
+
+    def __init__(
+        self,
+        tier_type: str,
+        *,
+        block_io: BlockIO | None = None,
+        medium: str | None = None,
+        enable_events: bool = True,
+    ) -> None:
+        self.tier_type = tier_type
+        self.block_io = block_io
+        if medium is not None:
+            self.medium = medium
+        self.enable_events = enable_events
+        self._events: list[OffloadingEvent] = []
+        self._events_lock = threading.Lock()
+
+    # -- the role ---------------------------------------------------------------
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
+        """HIT when ``key`` is stored and can be loaded, MISS otherwise (RETRY: ask later)."""
+
+    @abstractmethod
+    def submit_store(self, job: JobMetadata) -> None:
+        """Start storing ``job``; never blocks. One JobResult follows."""
+
+    @abstractmethod
+    def submit_load(self, job: JobMetadata) -> None:
+        """Start loading ``job`` into the primary; never blocks. One JobResult follows; a
+        missing key makes it a failed result."""
+
+    @abstractmethod
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Results of jobs finished since the last call (each reported once)."""
+
+    @abstractmethod
+    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        """Which offload policy this tier wants for the request."""
+
+    def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027
+        """The request is done and its stores were submitted to this tier."""
+
+    def on_schedule_end(self) -> None:  # noqa: B027
+        """End of a scheduler step."""
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:  # noqa: B027
+        """The keys were used."""
+
+    def has_pending_work(self) -> bool:
+        """Whether jobs are in flight or results are waiting to be collected."""
+        return False
+
+    def drain_jobs(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job has finished (results stay available to
+        ``get_finished_jobs``); False if ``timeout`` passed first."""
+        return True
+
+    def shutdown(self) -> None:  # noqa: B027
+        """Stop workers and release resources. Idempotent."""
+
+    # -- events -----------------------------------------------------------------
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Pure drain of this tier's events."""
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events
+
+    def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
+        """Record an event; callers emitting from several threads hold their own state lock
+        so the order of events is the order of changes."""
+        if keys and self.enable_events:
+            with self._events_lock:
+                self._events.append(OffloadingEvent(keys, self.medium, removed))

@@ -1,0 +1,294 @@
+"""``TieringOffloadingManager``: a primary manager with secondary tiers behind it.
+
+* A lookup that misses the primary asks the secondary tiers in order. A hit reserves the
+  primary slot at once (``primary.prepare_store``) and answers RETRY; the promotion is queued
+  per (tier, request) and submitted as one load job per queue in ``on_schedule_end``. When the
+  job's result is processed the primary store completes (or fails and frees the slot).
+* A completed primary store cascades its blocks to every secondary tier that lacks them: the
+  blocks are pinned in the primary (``prepare_load``) and a store job is submitted; the pin is
+  released when the job's result is processed. Promoted blocks cascade to the other tiers.
+* ``on_new_request`` asks the primary and every tier; the request is REQUEST_LEVEL if any asks
+  for it, and the tiers that asked are remembered for the request. For those tiers,
+  ``prepare_store`` also cascades the request's blocks already resident in the primary (prefix
+  hits, which the primary does not store again).
+* Finished jobs are processed at most once per step (a gate reset in ``on_schedule_end``).
+* ``on_request_finished`` reaches the secondary tiers only once the request's pending primary
+  stores are done and its queued promotions were submitted.
+* ``on_schedule_end``: process finished jobs, flush queued promotions, deliver deferred
+  request finishes, reset the per-step gate, then call every tier's ``on_schedule_end``.
+* ``take_events`` only drains: the primary's events, then each tier's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import count
+
+import numpy as np
+
+from ..base import (
+    BlockIO,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from .base import JobMetadata, SecondaryTierManager
+
+__all__ = ["TieringOffloadingManager"]
+
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+_RETRY = LookupResult.RETRY
+
+
+@dataclass(slots=True)
+class _Job:
+    tier: int
+    keys: list[OffloadKey]
+    ctx: ReqContext | None
+    is_promotion: bool
+
+
+@dataclass(slots=True)
+class _PromotionQueue:
+    ctx: ReqContext
+    keys: list[OffloadKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+
+class TieringOffloadingManager(OffloadingManager):
+    def __init__(
+        self,
+        primary: OffloadingManager,
+        secondary_tiers: Sequence[SecondaryTierManager],
+        block_io: BlockIO | None = None,
+    ) -> None:
+        self.primary = primary
+        self.tiers = list(secondary_tiers)
+        self.medium = primary.medium
+        if block_io is not None:
+            for tier in self.tiers:
+                if tier.block_io is None:
+                    tier.block_io = block_io
+        self._job_ids = count(1)
+        self._jobs: dict[int, _Job] = {}
+        self._tier_storing: list[set[OffloadKey]] = [set() for _ in self.tiers]
+        self._promoting: dict[OffloadKey, int] = {}  # key -> tier it is promoted from
+        self._promo_queues: dict[tuple[int, str], _PromotionQueue] = {}
+        self._promo_reqs: dict[str, int] = {}  # req_id -> number of queues it has
+        self._req_tiers: dict[str, list[int]] = {}  # req_id -> its REQUEST_LEVEL tiers
+        self._pending_stores: dict[str, set[OffloadKey]] = {}
+        self._finishing: dict[str, ReqContext] = {}
+        self._processed_this_step = False
+        # Counters.
+        self.promotions_started = 0
+        self.promotions_failed = 0
+        self.promotions_rejected = 0  # secondary hit but no primary room
+        self.cascade_jobs = 0
+        self.cascade_failures = 0
+        self.unknown_results = 0
+
+    # -- lookups and loads --------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        self._process_finished_gated()
+        r = self.primary.lookup(key, ctx)
+        if r is _HIT or r is _RETRY:
+            return r
+        if key in self._promoting:
+            return _RETRY
+        for i, tier in enumerate(self.tiers):
+            if tier.lookup(key, ctx) is _HIT:
+                out = self.primary.prepare_store([key], ctx)
+                if out is None or not out.keys_to_store:
+                    self.promotions_rejected += 1
+                    return _MISS
+                qkey = (i, ctx.req_id)
+                queue = self._promo_queues.get(qkey)
+                if queue is None:
+                    queue = self._promo_queues[qkey] = _PromotionQueue(ctx)
+                    self._promo_reqs[ctx.req_id] = self._promo_reqs.get(ctx.req_id, 0) + 1
+                queue.keys.append(key)
+                queue.block_ids.append(int(out.store_spec.block_ids[0]))
+                self._promoting[key] = i
+                self.promotions_started += 1
+                return _RETRY
+        return _MISS
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
+        return self.primary.prepare_load(keys, ctx)
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self.primary.complete_load(keys, ctx)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self.primary.touch(keys, ctx)
+        for tier in self.tiers:
+            tier.touch(keys, ctx)
+
+    # -- stores -------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        self._process_finished_gated()
+        out = self.primary.prepare_store(keys, ctx)
+        if out is None:
+            return None
+        if out.keys_to_store:
+            self._pending_stores.setdefault(ctx.req_id, set()).update(out.keys_to_store)
+        tiers = self._req_tiers.get(ctx.req_id)
+        if tiers:
+            new = set(out.keys_to_store)
+            resident = [
+                k for k in keys if k not in new and k not in self._promoting and self.primary.lookup(k, ctx) is _HIT
+            ]
+            if resident:
+                self._cascade(resident, ctx, tiers)
+        return out
+
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+        pending = self._pending_stores.get(ctx.req_id)
+        mine = [k for k in keys if k in pending] if pending else []
+        self.primary.complete_store(keys, ctx, success)
+        if pending is not None:
+            pending.difference_update(mine)
+        if success and mine:
+            self._cascade(mine, ctx, range(len(self.tiers)))
+        if pending is not None and not pending:
+            del self._pending_stores[ctx.req_id]
+            self._maybe_finish(ctx.req_id)
+
+    def _cascade(self, keys: Sequence[OffloadKey], ctx: ReqContext | None, tiers: Sequence[int] | range) -> None:
+        """Store primary-resident ``keys`` into each tier in ``tiers`` that lacks them."""
+        for i in tiers:
+            tier = self.tiers[i]
+            storing = self._tier_storing[i]
+            todo = [k for k in keys if k not in storing and tier.lookup(k, ctx) is not _HIT]
+            if not todo:
+                continue
+            spec = self.primary.prepare_load(todo, ctx)  # pinned until the job's result
+            storing.update(todo)
+            job_id = next(self._job_ids)
+            self._jobs[job_id] = _Job(i, todo, ctx, False)
+            self.cascade_jobs += 1
+            tier.submit_store(JobMetadata(job_id, todo, spec.block_ids, False, ctx))
+
+    # -- step lifecycle -------------------------------------------------------------
+
+    def _process_finished_gated(self) -> None:
+        if not self._processed_this_step:
+            self._processed_this_step = True
+            self._process_finished()
+
+    def _process_finished(self) -> None:
+        for i, tier in enumerate(self.tiers):
+            for res in tier.get_finished_jobs():
+                job = self._jobs.pop(res.job_id, None)
+                if job is None or job.tier != i:
+                    self.unknown_results += 1
+                    continue
+                if job.is_promotion:
+                    for key in job.keys:
+                        self._promoting.pop(key, None)
+                    self.primary.complete_store(job.keys, job.ctx, res.success)  # type: ignore[arg-type]
+                    if res.success:
+                        others = [t for t in range(len(self.tiers)) if t != i]
+                        if others:
+                            self._cascade(job.keys, job.ctx, others)
+                    else:
+                        self.promotions_failed += 1
+                else:
+                    self._tier_storing[i].difference_update(job.keys)
+                    self.primary.complete_load(job.keys, job.ctx)  # type: ignore[arg-type]
+                    if not res.success:
+                        self.cascade_failures += 1
+
+    def _flush_promotions(self) -> None:
+        queues, self._promo_queues = self._promo_queues, {}
+        for (i, req_id), queue in queues.items():
+            job_id = next(self._job_ids)
+            self._jobs[job_id] = _Job(i, queue.keys, queue.ctx, True)
+            self.tiers[i].submit_load(
+                JobMetadata(job_id, queue.keys, np.array(queue.block_ids, dtype=np.int64), True, queue.ctx)
+            )
+        self._promo_reqs.clear()
+
+    def on_schedule_end(self) -> None:
+        self._process_finished_gated()
+        self._flush_promotions()
+        for req_id in list(self._finishing):
+            self._maybe_finish(req_id)
+        self._processed_this_step = False
+        for tier in self.tiers:
+            tier.on_schedule_end()
+
+    # -- requests -------------------------------------------------------------------
+
+    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        policy = self.primary.on_new_request(ctx).policy
+        tiers = [i for i, t in enumerate(self.tiers) if t.on_new_request(ctx).policy is OffloadPolicy.REQUEST_LEVEL]
+        if tiers:
+            self._req_tiers[ctx.req_id] = tiers
+            policy = OffloadPolicy.REQUEST_LEVEL
+        return RequestOffloadingContext(policy)
+
+    def request_level_tiers(self, req_id: str) -> list[int]:
+        """Indexes of the tiers that asked for REQUEST_LEVEL for ``req_id``."""
+        return list(self._req_tiers.get(req_id, ()))
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        self.primary.on_request_finished(ctx)
+        self._finishing[ctx.req_id] = ctx
+        self._maybe_finish(ctx.req_id)
+
+    def _maybe_finish(self, req_id: str) -> None:
+        if req_id not in self._finishing or self._pending_stores.get(req_id) or self._promo_reqs.get(req_id):
+            return
+        ctx = self._finishing.pop(req_id)
+        self._req_tiers.pop(req_id, None)
+        for tier in self.tiers:
+            tier.on_request_finished(ctx)
+
+    # -- events and housekeeping ------------------------------------------------------
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events = list(self.primary.take_events())
+        for tier in self.tiers:
+            events.extend(tier.take_events())
+        return events
+
+    def has_pending_work(self) -> bool:
+        return (
+            bool(self._jobs or self._promo_queues or self._finishing)
+            or self.primary.has_pending_work()
+            or any(t.has_pending_work() for t in self.tiers)
+        )
+
+    def drain_jobs(self, timeout: float | None = None) -> bool:
+        """Wait for every tier's in-flight jobs (results are processed in ``on_schedule_end``)."""
+        return all(t.drain_jobs(timeout) for t in self.tiers)
+
+    def reset_cache(self) -> None:
+        self.primary.reset_cache()
+
+    def shutdown(self) -> None:
+        for tier in self.tiers:
+            tier.shutdown()
+        self.primary.shutdown()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "jobs_in_flight": len(self._jobs),
+            "promotions_started": self.promotions_started,
+            "promotions_failed": self.promotions_failed,
+            "promotions_rejected": self.promotions_rejected,
+            "cascade_jobs": self.cascade_jobs,
+            "cascade_failures": self.cascade_failures,
+            "unknown_results": self.unknown_results,
+        }

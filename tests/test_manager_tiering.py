@@ -1,0 +1,313 @@
+"""Tiering: the factory, the example tier, and TieringOffloadingManager's lifecycle."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from kvevents import ConfigError
+from manager import (
+    CPUOffloadingManager,
+    LookupResult,
+    NumpyBlockIO,
+    OffloadPolicy,
+    ReqContext,
+    RequestOffloadingContext,
+    make_offload_key,
+)
+from manager.tiering import (
+    ExampleSecondaryTierManager,
+    JobMetadata,
+    JobResult,
+    SecondaryTierFactory,
+    SecondaryTierManager,
+    TieringOffloadingManager,
+)
+
+
+def K(i: int) -> bytes:
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+def make(num_blocks: int = 8, *tier_kw: dict, io: bool = True):  # type: ignore[no-untyped-def]
+    block_io = NumpyBlockIO.allocate(num_blocks, 16) if io else None
+    primary = CPUOffloadingManager(num_blocks, "lru", enable_events=True)
+    tiers = [
+        SecondaryTierFactory.create_secondary_tier({"type": "example", "medium": f"T{i}", **kw})
+        for i, kw in enumerate(tier_kw or ({},))
+    ]
+    return TieringOffloadingManager(primary, tiers, block_io=block_io), primary, tiers, block_io
+
+
+def store(m: TieringOffloadingManager, ctx: ReqContext, keys: list[bytes]) -> None:
+    out = m.prepare_store(keys, ctx)
+    assert out is not None
+    m.complete_store(out.keys_to_store, ctx)
+
+
+# -- factory ---------------------------------------------------------------------------
+
+
+def test_factory_creates_example_with_custom_param() -> None:
+    tier = SecondaryTierFactory.create_secondary_tier({"type": "example", "custom_param": 42})
+    assert isinstance(tier, ExampleSecondaryTierManager)
+    assert tier.tier_type == "example" and tier.custom_param == 42
+    assert not hasattr(tier, "get_tier_type")
+
+
+def test_factory_errors() -> None:
+    with pytest.raises(ConfigError, match="no 'type'.*example, fs"):
+        SecondaryTierFactory.create_secondary_tier({"custom_param": 1})
+    with pytest.raises(ConfigError, match="unknown secondary tier type 'tape'.*example, fs"):
+        SecondaryTierFactory.create_secondary_tier({"type": "tape"})
+    with pytest.raises(ConfigError, match="must be a dict"):
+        SecondaryTierFactory.create_secondary_tier("example")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="already registered"):
+        SecondaryTierFactory.register_tier("example", "x.y", "Z")
+    SecondaryTierFactory.register_tier("t_badmod", "no_such_module_xyz", "Tier")
+    with pytest.raises(ConfigError, match="cannot import module 'no_such_module_xyz'.*supported types"):
+        SecondaryTierFactory.create_secondary_tier({"type": "t_badmod"})
+    SecondaryTierFactory.register_tier("t_noclass", "manager.tiering.example", "NoSuchClass")
+    with pytest.raises(ConfigError, match="has no class 'NoSuchClass'"):
+        SecondaryTierFactory.create_secondary_tier({"type": "t_noclass"})
+    SecondaryTierFactory.register_tier("t_notier", "manager.cpu", "CPUOffloadingManager")
+    with pytest.raises(ConfigError, match="is not a SecondaryTierManager"):
+        SecondaryTierFactory.create_secondary_tier({"type": "t_notier"})
+    with pytest.raises(ConfigError, match="bad arguments"):
+        SecondaryTierFactory.create_secondary_tier({"type": "example", "bogus": 1})
+
+
+def test_factory_lazy_out_of_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    SecondaryTierFactory.register_tier("t_oot", "oot_tier_mod", "MyTier")
+    assert "oot_tier_mod" not in sys.modules  # registering imports nothing
+    mod = types.ModuleType("oot_tier_mod")
+
+    class MyTier(ExampleSecondaryTierManager):
+        pass
+
+    mod.MyTier = MyTier  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "oot_tier_mod", mod)
+    tier = SecondaryTierFactory.create_secondary_tier({"type": "t_oot"})
+    assert isinstance(tier, MyTier) and tier.tier_type == "t_oot"
+
+
+# -- example tier ------------------------------------------------------------------------
+
+
+def test_example_tier_failed_load_result() -> None:
+    tier = ExampleSecondaryTierManager()
+    tier.submit_store(JobMetadata(1, [K(1)], np.array([0], dtype=np.int64), False))
+    tier.submit_load(JobMetadata(2, [K(1), K(2)], np.array([0, 1], dtype=np.int64), True))
+    tier.submit_load(JobMetadata(3, [K(1)], np.array([0], dtype=np.int64), True))
+    assert tier.get_finished_jobs() == [JobResult(1, True), JobResult(2, False), JobResult(3, True)]
+    assert tier.get_finished_jobs() == []
+
+
+# -- TieringOffloadingManager ------------------------------------------------------------
+
+
+def test_completed_primary_store_cascades_with_bytes() -> None:
+    m, primary, (tier,), io = make()
+    ctx = ReqContext("a")
+    m.on_new_request(ctx)
+    out = m.prepare_store([K(1), K(2)], ctx)
+    assert out is not None
+    for k, b in zip(out.keys_to_store, out.store_spec.block_ids.tolist()):
+        io.write_block(b, (k * 2)[:16])
+    assert tier.cached_keys() == set()  # not before the store completes
+    m.complete_store(out.keys_to_store, ctx)
+    assert tier.cached_keys() == {K(1), K(2)}
+    assert tier.store[K(1)] == (K(1) * 2)[:16]
+    assert primary.ref_count(K(1)) == 1  # pinned until the job's result is processed
+    m.on_schedule_end()  # this step's gate was used by prepare_store: processed next step
+    assert primary.ref_count(K(1)) == 1
+    m.on_schedule_end()  # catch-all poll of a step with no other call
+    assert primary.ref_count(K(1)) == 0
+    assert not m.has_pending_work()
+
+
+def test_promotion_reserves_queues_and_flushes_in_on_schedule_end() -> None:
+    m, primary, (tier,), io = make()
+    tier.store[K(1)] = b"1" * 16
+    tier.store[K(2)] = b"2" * 16
+    ctx = ReqContext("a")
+    m.on_new_request(ctx)
+    assert m.lookup(K(1), ctx) is LookupResult.RETRY
+    assert m.lookup(K(2), ctx) is LookupResult.RETRY
+    assert primary.ref_count(K(1)) == -1  # slot reserved at once
+    assert m.lookup(K(1), ctx) is LookupResult.RETRY  # in flight: no second promotion
+    assert m.promotions_started == 2 and tier.get_finished_jobs() == []  # not submitted yet
+    m.on_schedule_end()  # one job for the (tier, request) queue
+    assert len(m._jobs) == 1 and m.has_pending_work()
+    m.on_schedule_end()  # result processed
+    assert m.lookup(K(1), ctx) is LookupResult.HIT
+    assert bytes(io.read_block(primary.block_id(K(2)))) == b"2" * 16  # type: ignore[arg-type]
+    stored = [(e.keys, e.medium) for e in m.take_events() if not e.removed]
+    assert (sorted([K(1), K(2)]), "CPU") in [(sorted(k), med) for k, med in stored]
+
+
+def test_failed_promotion_frees_the_slot() -> None:
+    m, primary, (tier,), _ = make()
+    tier.store[K(1)] = None
+    ctx = ReqContext("a")
+    assert m.lookup(K(1), ctx) is LookupResult.RETRY
+    del tier.store[K(1)]  # gone before the job runs: failed JobResult
+    m.on_schedule_end()
+    m.on_schedule_end()
+    assert m.promotions_failed == 1 and primary.block_id(K(1)) is None
+    assert m.lookup(K(1), ctx) is LookupResult.MISS
+    assert not m.has_pending_work()
+
+
+def test_take_events_never_changes_job_state() -> None:
+    m, primary, (tier,), _ = make()
+    tier.store[K(9)] = None
+    ctx = ReqContext("a")
+    m.lookup(K(9), ctx)
+    out = m.prepare_store([K(1)], ctx)
+    assert out is not None
+    m.complete_store([K(1)], ctx)
+
+    def snapshot():  # type: ignore[no-untyped-def]
+        return (
+            dict(m._jobs),
+            dict(m._promoting),
+            {k: list(q.keys) for k, q in m._promo_queues.items()},
+            primary.ref_count(K(1)),
+            primary.ref_count(K(9)),
+            m.has_pending_work(),
+            m._processed_this_step,
+        )
+
+    before = snapshot()
+    for _ in range(3):
+        m.take_events()
+    assert snapshot() == before
+    # The lifecycle work happens in on_schedule_end only.
+    m.on_schedule_end()
+    assert snapshot() != before
+
+
+def test_finished_jobs_processed_once_per_step() -> None:
+    m, primary, (tier,), _ = make()
+    ctx = ReqContext("a")
+    m.lookup(K(50), ctx)  # opens the gate for this step (nothing to process)
+    store(m, ctx, [K(1)])  # cascade job finishes at once in the example tier
+    m.lookup(K(51), ctx)
+    m.prepare_store([K(2)], ctx)
+    assert primary.ref_count(K(1)) == 1  # gate already used this step: result not processed yet
+    m.on_schedule_end()  # gate used: still not processed; gate reset
+    assert primary.ref_count(K(1)) == 1
+    m.lookup(K(52), ctx)  # first call of the new step processes it
+    assert primary.ref_count(K(1)) == 0
+
+
+def test_on_new_request_tracks_only_request_level_tiers() -> None:
+    m, _, tiers, _ = make(8, {}, {"request_level": True}, {})
+    ctx = ReqContext("a")
+    assert m.on_new_request(ctx).policy is OffloadPolicy.REQUEST_LEVEL
+    assert m.request_level_tiers("a") == [1]
+    m2, _, _, _ = make(8, {}, {})
+    assert m2.on_new_request(ReqContext("b")).policy is OffloadPolicy.BLOCK_LEVEL
+    assert m2.request_level_tiers("b") == []
+    m.on_request_finished(ctx)
+    assert m.request_level_tiers("a") == []
+
+
+def test_primary_resident_blocks_cascade_to_request_level_tiers() -> None:
+    m, primary, (bl, rl), _ = make(8, {}, {"request_level": True})
+    a = ReqContext("a")
+    m.on_new_request(a)
+    store(m, a, [K(1), K(2)])  # both tiers get them
+    m.on_request_finished(a)
+    m.on_schedule_end()
+    rl.remove([K(1), K(2)])
+    bl.remove([K(1), K(2)])
+    b = ReqContext("b")
+    assert m.on_new_request(b).policy is OffloadPolicy.REQUEST_LEVEL
+    out = m.prepare_store([K(1), K(2), K(3)], b)  # K1, K2 are prefix hits in the primary
+    assert out is not None and out.keys_to_store == [K(3)]
+    assert rl.cached_keys() == {K(1), K(2)}  # cascaded from the primary right away
+    assert bl.cached_keys() == set()  # a BLOCK_LEVEL tier does not get prefix hits
+    m.complete_store([K(3)], b)
+    assert rl.cached_keys() == {K(1), K(2), K(3)} and bl.cached_keys() == {K(3)}
+
+
+def test_on_request_finished_waits_for_pending_primary_stores() -> None:
+    m, _, (tier,), _ = make()
+    ctx = ReqContext("a")
+    m.on_new_request(ctx)
+    out = m.prepare_store([K(1), K(2)], ctx)
+    assert out is not None
+    m.on_request_finished(ctx)
+    assert tier.finished_requests == []  # stores still pending
+    m.complete_store([K(1)], ctx)
+    m.on_schedule_end()
+    assert tier.finished_requests == []
+    m.complete_store([K(2)], ctx)
+    assert tier.finished_requests == ["a"]  # reached, after the stores (and their cascades)
+    assert tier.cached_keys() == {K(1), K(2)}
+
+
+def test_on_request_finished_waits_for_queued_promotions() -> None:
+    m, _, (tier,), _ = make()
+    tier.store[K(1)] = None
+    ctx = ReqContext("a")
+    m.lookup(K(1), ctx)
+    m.on_request_finished(ctx)
+    assert tier.finished_requests == []
+    m.on_schedule_end()  # promotion submitted, then the finish is delivered
+    assert tier.finished_requests == ["a"]
+
+
+class _RecordingTier(ExampleSecondaryTierManager):
+    calls: list[str]
+
+    def __init__(self, tier_type: str = "rec", **kw):  # type: ignore[no-untyped-def]
+        super().__init__(tier_type, **kw)
+        self.calls = []
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        self.calls.append("get_finished_jobs")
+        return super().get_finished_jobs()
+
+    def submit_load(self, job: JobMetadata) -> None:
+        self.calls.append("submit_load")
+        super().submit_load(job)
+
+    def on_schedule_end(self) -> None:
+        self.calls.append("on_schedule_end")
+
+
+def test_on_schedule_end_order() -> None:
+    tier = _RecordingTier()
+    tier.store[K(1)] = None
+    m = TieringOffloadingManager(CPUOffloadingManager(4), [tier])
+    ctx = ReqContext("a")
+    m.lookup(K(1), ctx)  # processes (gate) and queues a promotion
+    tier.calls.clear()
+    m._processed_this_step = False  # as if a new step began without any call yet
+    m.on_schedule_end()
+    assert tier.calls == ["get_finished_jobs", "submit_load", "on_schedule_end"]
+    assert m._processed_this_step is False
+
+
+def test_store_rejected_when_primary_full() -> None:
+    m, primary, _, _ = make(2)
+    ctx = ReqContext("a")
+    out = m.prepare_store([K(1), K(2)], ctx)
+    assert out is not None
+    assert m.prepare_store([K(3)], ctx) is None
+
+
+def test_secondary_tier_abc_requires_methods() -> None:
+    class Half(SecondaryTierManager):
+        def lookup(self, key, ctx=None):  # type: ignore[no-untyped-def]
+            return LookupResult.MISS
+
+    with pytest.raises(TypeError):
+        Half("half")  # type: ignore[abstract]
+    assert RequestOffloadingContext().policy is OffloadPolicy.BLOCK_LEVEL
