@@ -38,6 +38,17 @@ _LAZY = {
     "TieringOffloadingManager": ".tiering",
     "ExampleSecondaryTierManager": ".tiering",
     "FileSystemSecondaryTierManager": ".tiering",
+    "OffloadingConnectorScheduler": ".connector",
+    "offload_events_to_kv_events": ".connector",
+    "EngineRequest": ".connector_types",
+    "SchedulerOutput": ".connector_types",
+    "ConnectorError": ".connector_types",
+    "SimEngine": ".engine_sim",
+    "StepStats": ".engine_sim",
+    "TransferWorker": ".transfer_base",
+    "NumpyTransferWorker": ".transfer_base",
+    "TransferResult": ".transfer_base",
+    "TorchTransferWorker": ".transfer",
 }
 
 __all__ = [
