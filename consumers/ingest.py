@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from .keys import chain_keys, model_seed
+from .keys import KEY_MASK, chain_keys, model_seed
 from .router_config import RouterInputError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -25,15 +25,17 @@ __all__ = ["Endpoint", "IngestMixin"]
 class Endpoint:
     """One engine: a pod's data-parallel rank. Owns one slot (bit lane) in the index."""
 
-    __slots__ = ("pod", "rank", "slot", "model", "lmap", "block_size", "chunk_keys", "odd_chunks",
-                 "token_tiers", "unreliable")
+    __slots__ = ("pod", "rank", "slot", "model", "lmap", "odd", "seed", "block_size", "chunk_keys",
+                 "odd_chunks", "token_tiers", "unreliable")
 
-    def __init__(self, pod: str, rank: int, slot: int, model: str, lmap: dict) -> None:
+    def __init__(self, pod: str, rank: int, slot: int, model: str, lmap: dict, odd: list) -> None:
         self.pod = pod
         self.rank = rank
         self.slot = slot
         self.model = model
         self.lmap = lmap  #: the model's engine-hash -> key map (shared by every endpoint of the model)
+        self.odd = odd  #: [True] once the model's map holds a non-int (partial block) value
+        self.seed = model_seed(model)  #: chain seed without LoRA
         self.block_size = 0  #: engine block size, learned from token-carrying events
         self.chunk_keys: dict[int, int] = {}  #: tier -> keys per offloaded chunk (inferred)
         self.odd_chunks: dict[int, dict[object, int]] = {}  #: tier -> chunk hash -> keys, if not the default
@@ -61,6 +63,7 @@ class IngestMixin:
     _slots: dict[int, Endpoint]
     _pending: OrderedDict
     _pending_by_hash: dict[object, list]
+    _gen: int
 
     # --- helpers --------------------------------------------------------------------------
     def _error(self, kind: str, msg: str, strict: bool) -> None:
@@ -87,29 +90,93 @@ class IngestMixin:
 
     # --- one batch ------------------------------------------------------------------------
     def _apply_events(self, ep: Endpoint, events: list, strict: bool) -> None:
+        """Apply one batch's events. The common shapes (engine block = canonical block,
+        offload chunk = one block, every hash known) run inline; the rest goes to the
+        general methods below."""
         stats = self.stats
+        stats.events += len(events)
         groups = self._cfg.groups
+        tiers = self._tiers
+        index = self._index
+        C = self._bs
+        lmap = ep.lmap
+        odd = ep.odd
+        lget = lmap.get
         for ev in events:
-            stats.events += 1
             cls = type(ev)
             if cls is BlockStored:
                 if ev.group_idx not in groups:
                     stats.ignored_group_events += 1
                     continue
-                tier = self._tier(ev.medium)
-                if tier < 0:
-                    self._error("too_many_tiers", f"pod {ep.pod!r}: medium {ev.medium!r} is one tier too many "
-                                f"(max_tiers={self._cfg.max_tiers})", strict)
-                    continue
-                if ev.token_ids:
+                medium = ev.medium
+                tier = tiers.get("GPU" if medium is None else medium)
+                if tier is None:
+                    tier = self._tier(medium)
+                    if tier < 0:
+                        self._error("too_many_tiers", f"pod {ep.pod!r}: medium {medium!r} is one tier too "
+                                    f"many (max_tiers={self._cfg.max_tiers})", strict)
+                        continue
+                hashes = ev.block_hashes
+                toks = ev.token_ids
+                if toks:
+                    n = len(hashes)
+                    ph = ev.parent_block_hash
+                    if ev.block_size == C and n and len(toks) == n * C:
+                        if ph is None:
+                            pv = ep.seed if ev.lora_name is None and ev.lora_id is None else \
+                                model_seed(ep.model, _lora(ev))
+                        else:
+                            pv = lget(ph)
+                        if type(pv) is int:
+                            keys = None
+                            if hashes[0] in lmap:  # already learned (e.g. from another pod): no hashing
+                                keys = list(map(lget, hashes))
+                                if None in keys or (odd[0] and not all(type(k) is int for k in keys)):
+                                    keys = None
+                            if keys is None:
+                                keys = []
+                                append = keys.append
+                                k = pv
+                                for c in map(hash, zip(*[iter(toks)] * C)):
+                                    k = hash((k, c)) & KEY_MASK
+                                    append(k)
+                                lmap.update(zip(hashes, keys))
+                            if ep.block_size != C:
+                                ep.block_size = C
+                            if tier not in ep.token_tiers:
+                                ep.token_tiers.add(tier)
+                            stats.blocks_stored += n
+                            index.add_chain(keys, 1 << (tier * index.cap + ep.slot), None if ph is None else pv)
+                            if self._pending_by_hash:
+                                self._resolve_pending(ep.model, hashes)
+                            continue
                     self._store_tokens(ep, ev, tier, strict)
+                    continue
+                # offload store: no tokens; join by engine hash
+                configured = self._cfg.offload_chunk_blocks.get(self._tier_names[tier])
+                if configured is None:
+                    ck = ep.chunk_keys.get(tier)
+                    if ck != 1 and len(hashes) > 1:
+                        self._infer_chunk(ep, tier, hashes)
+                        ck = ep.chunk_keys.get(tier)
+                    one = ck is None or ck == 1
                 else:
-                    self._store_offload(ep, ev, tier)
+                    one = configured == 1
+                if one and ep.block_size == C and not odd[0]:
+                    keys = list(map(lget, hashes))
+                    if None not in keys:
+                        stats.offload_blocks += len(keys)
+                        index.add(keys, 1 << (tier * index.cap + ep.slot))
+                        continue
+                self._store_offload(ep, hashes, tier)
             elif cls is BlockRemoved:
                 if ev.group_idx not in groups:
                     stats.ignored_group_events += 1
                     continue
-                tier = self._tier(ev.medium)
+                medium = ev.medium
+                tier = tiers.get("GPU" if medium is None else medium)
+                if tier is None:
+                    tier = self._tier(medium)
                 if tier >= 0:
                     self._remove(ep, ev.block_hashes, tier)
             elif cls is AllBlocksCleared:
@@ -160,6 +227,7 @@ class IngestMixin:
             return
         else:
             keys, parent = self._store_general(lmap, hashes, toks, E, pv, seed)
+            ep.odd[0] = True
         self.stats.blocks_stored += n
         if keys:
             self._index.add_chain(keys, 1 << (tier * self._index.cap + ep.slot), parent)  # type: ignore[arg-type]
@@ -184,23 +252,13 @@ class IngestMixin:
                 k = ks[-1]
             tail = seq[full:]
             lmap[h] = (k, tail, len(ks))
+
         return keys, parent
 
     # --- offload stores (no tokens): join by engine hash ------------------------------------
-    def _store_offload(self, ep: Endpoint, ev: BlockStored, tier: int) -> None:
+    def _store_offload(self, ep: Endpoint, hashes: list, tier: int) -> None:
+        """The general offload join (chunks of several keys, unknown hashes, partial blocks)."""
         lmap = ep.lmap
-        hashes = ev.block_hashes
-        if len(hashes) > 1 and self._tier_names[tier] not in self._cfg.offload_chunk_blocks \
-                and ep.chunk_keys.get(tier) != 1:
-            self._infer_chunk(ep, tier, hashes)
-        if ep.block_size == self._bs and self._chunk_default(ep, tier, 1) == 1:
-            # fast path: one key per engine block and per chunk
-            keys = list(map(lmap.get, hashes))
-            if None not in keys and all(type(k) is int for k in keys):
-                self.stats.offload_blocks += len(keys)
-                index = self._index
-                index.add(keys, 1 << (tier * index.cap + ep.slot))  # type: ignore[arg-type]
-                return
         for h in hashes:
             if h in lmap:
                 self._join(ep, tier, h)
@@ -342,4 +400,6 @@ class IngestMixin:
         self._index.clear_bits(self._index.slot_bits(ep.slot))
         self._drop_pending_of(ep.slot)
         ep.odd_chunks.clear()
-        ep.unreliable = False
+        if ep.unreliable:
+            ep.unreliable = False
+            self._gen += 1

@@ -11,8 +11,14 @@ about ten times faster than a ``hashlib.blake2b`` chain (``benchmarks/router.py`
 
 * content hash of a block: ``hash(tuple_of_block_size_token_ids)``, computed at C speed
   with ``map(hash, zip(*[iter(tokens)] * block_size))``;
-* chain: ``key[j] = hash((key[j-1], content[j]))``, with ``key[-1]`` the seed of
-  ``(model, lora_name)`` (an 8-byte blake2b digest of their names).
+* chain: ``key[j] = hash((key[j-1], content[j])) & (2**60 - 1)``, with ``key[-1]`` the seed
+  of ``(model, lora_name)`` (a blake2b digest of their names, also 60 bits).
+
+Keys are 60-bit non-negative ints: CPython stores those in two 30-bit digits (32 bytes),
+where a full 64-bit hash takes three (36 bytes), and the index holds ~1M of them. A
+collision between two of 1M distinct prefixes has probability ~1e-6 over the whole index.
+Numpy was measured for this and lost: converting 4,096 token ids to an array costs more
+(~90-110 us) than the whole tuple-hash chain (~50-70 us), see ``benchmarks/router.py``.
 
 Only full canonical blocks get a key; a prompt's trailing partial block is never matched.
 """
@@ -22,9 +28,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "model_seed", "chain_keys", "request_keys", "as_token_list"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "KEY_MASK", "model_seed", "chain_keys", "request_keys", "as_token_list"]
 
 DEFAULT_BLOCK_SIZE = 16
+KEY_MASK = (1 << 60) - 1
 
 _SEEDS: dict[tuple[str, str | None], int] = {}
 
@@ -37,7 +44,7 @@ def model_seed(model: str, lora_name: str | None = None) -> int:
         if not isinstance(model, str):
             raise TypeError(f"model must be a str, got {type(model).__name__}")
         text = f"{model}\x00{'' if lora_name is None else lora_name}".encode()
-        seed = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+        seed = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & KEY_MASK
         if len(_SEEDS) < 4096:
             _SEEDS[key] = seed
     return seed
@@ -48,8 +55,9 @@ def chain_keys(tokens: Sequence[int], parent: int, block_size: int) -> list[int]
     out: list[int] = []
     append = out.append
     k = parent
+    mask = KEY_MASK
     for c in map(hash, zip(*[iter(tokens)] * block_size)):
-        k = hash((k, c))
+        k = hash((k, c)) & mask
         append(k)
     return out
 

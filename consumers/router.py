@@ -4,6 +4,17 @@ Its core needs no sockets: ``apply(pod, batch)`` feeds it one decoded batch,
 ``reset_pod``/``remove_pod`` drop a pod's state, ``score``/``pick``/``explain`` answer.
 ``run(subscriber)`` drives it from anything that yields :class:`kvevents.delivery.Delivery`
 (a live :class:`kvevents.Subscriber`), resets and gaps included.
+
+Known limitations (measured in ``benchmarks/router.py``):
+
+* Ingest of GPU events cannot reach 80% of the decode-only rate in CPython: hashing an
+  event's 4 x 16 token ids into chained keys alone costs about as much as decoding it
+  (~1.8 us vs ~1.9 us per event), and handing the tokens to numpy costs as much again.
+* With engine blocks larger than the canonical block, removing a block also clears the
+  first key it shares with a sibling still held (the score under-reports, never over-reports).
+* ``reset_pod``/``AllBlocksCleared``/``remove_pod`` scan every key (one C-level pass, then
+  a Python loop over the keys the endpoint held).
+* ``run()`` polls ``health()`` only when a delivery arrives.
 """
 
 from __future__ import annotations
@@ -58,6 +69,8 @@ class KVRouter(IngestMixin):
         self._pod_model: dict[str, str] = {}
         self._pub_pod: dict[str, str] = {}
         self._health: dict[str, str] = {}  #: pod -> RECOVERING / STALE (SYNCED pods absent)
+        self._gen = 0  #: bumped whenever endpoints or their states change (score's cache key)
+        self._walk_cache: tuple = (None, None)
 
     @property
     def config(self) -> RouterConfig:
@@ -83,8 +96,10 @@ class KVRouter(IngestMixin):
             self._next_slot += 1
             if slot >= self._index.cap:
                 self._index.grow(self._index.cap * 2)
-        ep = Endpoint(pod, rank or 0, slot, model, self._learned.for_model(model))
+        lmap = self._learned.for_model(model)
+        ep = Endpoint(pod, rank or 0, slot, model, lmap, self._learned.odd[model])
         self._endpoints[key] = ep
+        self._gen += 1
         self._slots[slot] = ep
         return ep
 
@@ -97,15 +112,20 @@ class KVRouter(IngestMixin):
 
         Bad events are counted in ``stats.errors`` and skipped (raised with ``strict=True``).
         """
-        if not isinstance(batch, KVEventBatch):
+        if type(batch) is not KVEventBatch and not isinstance(batch, KVEventBatch):
             raise TypeError(f"apply expects a KVEventBatch, got {type(batch).__name__}")
-        ep = self._endpoint(pod, batch.data_parallel_rank, model)
+        rank = batch.data_parallel_rank
+        ep = self._endpoints.get((pod, rank or 0))
+        if ep is None:
+            ep = self._endpoint(pod, rank, model)
         self.stats.batches += 1
+        lmap = ep.lmap
+        n0 = len(lmap)
         self._apply_events(ep, batch.events, strict)
         if self._pending:
             self._expire_pending()
         learned = self._learned
-        learned.size = sum(len(m) for m in learned.maps.values())
+        learned.size += len(lmap) - n0
         if learned.size > learned.max_size:
             learned.recount()
 
@@ -126,24 +146,31 @@ class KVRouter(IngestMixin):
         for ep in eps:
             self._clear_endpoint(ep)
             del self._endpoints[(ep.pod, ep.rank)]
+            self._gen += 1
             del self._slots[ep.slot]
             self._free_slots.append(ep.slot)
         self._pod_model.pop(pod, None)
         self._health.pop(pod, None)
+        self._gen += 1
 
     def mark_unreliable(self, pod: str) -> None:
         """Events from ``pod`` were lost for good: its entries may be wrong until a clear/reset."""
         self.stats.gaps += 1
+        self._gen += 1
         for ep in self._pod_endpoints(pod):
             ep.unreliable = True
 
     def mark_resynced(self, pod: str) -> None:
         """The caller has brought ``pod`` back in sync (e.g. re-fed it from a snapshot)."""
+        self._gen += 1
         for ep in self._pod_endpoints(pod):
             ep.unreliable = False
 
     def set_health(self, pod: str, state: str) -> None:
         """``SYNCED``, ``RECOVERING`` or ``STALE`` (``run`` does this from ``subscriber.health()``)."""
+        if self._health.get(pod, "SYNCED") == state:
+            return
+        self._gen += 1
         if state == "SYNCED":
             self._health.pop(pod, None)
         else:
@@ -235,12 +262,15 @@ class KVRouter(IngestMixin):
         tiers.sort(key=lambda x: (-x[2], x[0]))
         return tiers
 
-    def _walk(self, tokens: object, lora_name: str | None, model: str | None):
-        toks = as_token_list(tokens)
-        model = self._model_for_query(model)
-        keys = chain_keys(toks, model_seed(model, lora_name), self._bs)
-        stages = self._stages()
+    def _plan(self, model: str) -> tuple:
+        """``(stages, lanes, start, eps)`` for ``model``: cached until endpoints, their states,
+        the tiers or the slot layout change."""
         index = self._index
+        ck = (model, self._gen, len(self._tiers), index.cap)
+        cached = self._walk_cache
+        if cached[0] == ck:
+            return cached[1]
+        stages = self._stages()
         full = (1 << index.cap) - 1
         lanes = [(t * index.cap, full) for t, _, _ in stages]
         start = 0
@@ -254,7 +284,16 @@ class KVRouter(IngestMixin):
                 eps.append((ep, state, factor))
                 if factor > 0:
                     start |= 1 << ep.slot
-        segments, ends = walk(index.masks, keys, lanes, start)
+        plan = (stages, lanes, start, eps)
+        self._walk_cache = (ck, plan)
+        return plan
+
+    def _walk(self, tokens: object, lora_name: str | None, model: str | None):
+        toks = as_token_list(tokens)
+        model = self._model_for_query(model)
+        keys = chain_keys(toks, model_seed(model, lora_name), self._bs)
+        stages, lanes, start, eps = self._plan(model)
+        segments, ends = walk(self._index.masks, keys, lanes, start)
         return toks, keys, stages, segments, ends, model, eps
 
     def score(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
@@ -263,29 +302,34 @@ class KVRouter(IngestMixin):
         toks, keys, stages, segments, ends, model, eps = self._walk(tokens, lora_name, model)
         C = self._bs
         n_tokens = max(1, len(toks))
+        n_keys = len(keys)
         lw = self._cfg.load_weight
         out: dict[str, Score] = {}
         for ep, state, factor in eps:
             if factor <= 0:
                 continue
+            pod = ep.pod
+            pod_load = 0.0 if load is None else float(load.get(pod, 0.0))
+            seg = segments.get(ep.slot)
+            if seg is None:
+                total = -lw * pod_load
+                best = out.get(pod)
+                if best is None or total > best.total:
+                    out[pod] = Score(pod, total, {}, 0, ep.rank, state, factor, pod_load)
+                continue
             by_tier: dict[str, int] = {}
             weighted = 0.0
-            seg = segments.get(ep.slot)
-            matched = 0
-            if seg is not None:
-                end = ends.get(ep.slot, len(keys))
-                matched = end * C
-                for i, (stage, first) in enumerate(seg):
-                    last = seg[i + 1][1] if i + 1 < len(seg) else end
-                    if last > first:
-                        _, name, w = stages[stage]
-                        by_tier[name] = by_tier.get(name, 0) + (last - first) * C
-                        weighted += w * (last - first) * C
-            pod_load = 0.0 if load is None else float(load.get(ep.pod, 0.0))
+            end = ends.get(ep.slot, n_keys)
+            for i, (stage, first) in enumerate(seg):
+                last = seg[i + 1][1] if i + 1 < len(seg) else end
+                if last > first:
+                    _, name, w = stages[stage]
+                    by_tier[name] = by_tier.get(name, 0) + (last - first) * C
+                    weighted += w * (last - first) * C
             total = factor * weighted / n_tokens - lw * pod_load
-            best = out.get(ep.pod)
+            best = out.get(pod)
             if best is None or total > best.total:
-                out[ep.pod] = Score(ep.pod, total, by_tier, matched, ep.rank, state, factor, pod_load)
+                out[pod] = Score(pod, total, by_tier, end * C, ep.rank, state, factor, pod_load)
         return out
 
     def pick(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
@@ -357,23 +401,25 @@ class KVRouter(IngestMixin):
         return self._index.entries
 
     def memory_report(self) -> dict[str, float]:
-        """Approximate bytes held by the index (dicts plus the int objects they own)."""
+        """Approximate bytes held by the index (dicts plus the int objects they own; an
+        interned mask is counted once)."""
         idx = self._index
         size = sys.getsizeof
-        masks_b = size(idx.masks) + sum(size(k) + size(m) for k, m in idx.masks.items())
+        masks_b = size(idx.masks) + sum(map(size, idx.masks)) + size(idx.intern) + sum(map(size, idx.intern))
         parents_b = size(idx.parents)
         learned_b = 0
         for m in self._learned.maps.values():
-            learned_b += size(m) + sum(size(h) for h in m)
+            learned_b += size(m) + sum(map(size, m))
         total = masks_b + parents_b + learned_b
         entries = max(1, idx.entries)
         return {"entries": idx.entries, "keys": len(idx.masks), "learned": self._learned.size,
-                "bytes_masks": masks_b, "bytes_parents": parents_b, "bytes_learned": learned_b,
-                "bytes_total": total, "bytes_per_entry": total / entries}
+                "distinct_masks": len(idx.intern), "bytes_masks": masks_b, "bytes_parents": parents_b,
+                "bytes_learned": learned_b, "bytes_total": total, "bytes_per_entry": total / entries}
 
     def counters(self) -> dict[str, object]:
         d = self.stats.as_dict()
         d.update(entries=self._index.entries, keys=len(self._index.masks), evicted_keys=self._index.evicted_keys,
-                 evicted_entries=self._index.evicted_entries, learned=self._learned.size,
+                 evicted_entries=self._index.evicted_entries, compactions=self._index.compactions,
+                 learned=self._learned.size,
                  learned_evicted=self._learned.evicted, pending=len(self._pending))
         return d

@@ -5,12 +5,14 @@ index's bitmasks: each endpoint is in one *stage* (a tier, heaviest first). At e
 endpoint stays in its stage while that tier holds the key, otherwise it moves down to the
 first lighter tier that does (a lower tier continues where a higher one stops, as an engine
 loads a prefix from GPU, then CPU, then storage); when no remaining tier holds the key its
-match ends. Consecutive keys with the same mask cost one comparison.
+match ends. Consecutive keys with the same mask are one step (found at C level).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress, islice, repeat
+from operator import ne
 
 __all__ = ["Score", "TierMatch", "Explanation", "walk"]
 
@@ -60,19 +62,23 @@ def _bits(x: int):
 def walk(masks: dict[int, int], keys: list[int], lanes: list[tuple[int, int]], start: int):
     """Run the staged walk. ``lanes``: per stage ``(shift, full)``; ``start``: slot mask of
     the endpoints taking part. Returns ``(segments, ends)``: slot -> [(stage, first_block)],
-    slot -> number of blocks matched (endpoints matching nothing are absent)."""
-    get = masks.get
-    T = len(lanes)
-    S = [0] * T
+    slot -> number of blocks matched (endpoints matching nothing are absent).
+
+    The masks of all keys are fetched in one C-level pass, and so are the positions where
+    the mask changes; the Python loop only visits those (a few per prompt)."""
+    n = len(keys)
     segments: dict[int, list[tuple[int, int]]] = {}
     ends: dict[int, int] = {}
-    prev = -1
+    if not n or not start:
+        return segments, ends
+    ms = list(map(masks.get, keys, repeat(0)))
+    change = [0]
+    change.extend(compress(range(1, n), map(ne, ms, islice(ms, 1, None))))
+    T = len(lanes)
+    S = [0] * T
     incoming = start  # every taking part enters at the first key
-    for j, k in enumerate(keys):
-        m = get(k, 0)
-        if m == prev:
-            continue
-        prev = m
+    for j in change:
+        m = ms[j]
         carry = incoming
         incoming = 0
         for t in range(T):
@@ -97,7 +103,6 @@ def walk(masks: dict[int, int], keys: list[int], lanes: list[tuple[int, int]], s
                     ends[slot] = j
             if not any(S):
                 break
-    n = len(keys)
     for t in range(T):
         for slot in _bits(S[t]):
             ends[slot] = n

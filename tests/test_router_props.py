@@ -161,3 +161,13 @@ def test_router_matches_brute_force_model(sc):
             assert all(s.matched_tokens == sum(want[p].values()) for p, s in r.score(prompt).items())
     assert r.counters()["pending"] == len(model.pending)
     assert r.stats.errors == {}
+    # representation invariants: the entry count is the set bits, masks are interned, keys
+    # are 60-bit, and compacting / re-interning changes no answer
+    idx = r._index
+    assert idx.entries == sum(m.bit_count() for m in idx.masks.values())
+    assert all(idx.intern[m] is m for m in idx.masks.values() if m > 256)
+    assert all(0 <= k < 2**60 for k in idx.masks)
+    before = [{p: s.tokens_by_tier for p, s in r.score(prompt).items()} for prompt in prompts]
+    idx.compact(force=True)
+    idx.reintern()
+    assert [{p: s.tokens_by_tier for p, s in r.score(prompt).items()} for prompt in prompts] == before
