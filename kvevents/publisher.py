@@ -152,6 +152,8 @@ class ZmqEventPublisher(EventPublisher):
         self._replay_rate = float(replay_rate)
         self._replay_burst = replay_burst
         self._drop_live = drop_live
+        #: telemetry hook object (installed by kvevents.telemetry; None: the cost is one check)
+        self.hooks = None
 
         self._lock = threading.Lock()
         self._queue: deque = deque()  # (seq, batch | bytes, topic bytes)
@@ -235,6 +237,8 @@ class ZmqEventPublisher(EventPublisher):
                 else:
                     self._stats.overflow_lost += 1
             q.append((seq, item, topic or self._topic_bytes))
+            if self.hooks is not None:
+                self.hooks.on_enqueue(seq)
             if self._idle.is_set():
                 self._idle.clear()
                 self._wake.set()
@@ -284,6 +288,8 @@ class ZmqEventPublisher(EventPublisher):
                 if payload is not None:
                     ring.append(seq, topic, payload)
             self._inflight = live
+            hooks = self.hooks
+            token = None
             for i, (seq, item, topic) in enumerate(live):
                 self._inflight_pos = i
                 if self._closing and time.monotonic() > self._deadline:
@@ -291,22 +297,32 @@ class ZmqEventPublisher(EventPublisher):
                         self._queue.extendleft(reversed(live[i:]))
                         self._inflight = []
                     return
+                if hooks is not None:
+                    token = hooks.before_send(seq, topic)
                 payload = self._encode(item)
                 if payload is None:
+                    if hooks is not None:
+                        hooks.after_send(token, seq, b"", item, "encode_error")
                     continue
                 if self._drop_live is not None and self._drop_live(seq):
                     stats.live_dropped += 1
+                    if hooks is not None:
+                        hooks.after_send(token, seq, payload, item, "dropped")
                     ring.append(seq, topic, payload)
                     continue
                 try:
                     pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), copy=len(payload) < 4096)
                 except zmq.ZMQError:
                     stats.send_errors += 1
+                    if hooks is not None:
+                        hooks.after_send(token, seq, payload, item, "send_error")
                 else:
                     stats.batches_published += 1
                     stats.bytes_published += len(payload)
                     if type(item) is not bytes:
                         stats.events_published += len(item.events)
+                    if hooks is not None:
+                        hooks.after_send(token, seq, payload, item, "sent")
                 ring.append(seq, topic, payload)
             self._inflight = []
 
@@ -356,6 +372,16 @@ class ZmqEventPublisher(EventPublisher):
                 self._serve(sock, ident, waiting.pop(ident))
 
     def _serve(self, sock, ident: bytes, start: int) -> None:
+        hooks = self.hooks
+        if hooks is None:
+            self._serve_replay(sock, ident, start)
+            return
+        t0 = time.time_ns()
+        served = self._stats.replay_batches_served
+        self._serve_replay(sock, ident, start)
+        hooks.on_replay(start, self._stats.replay_batches_served - served, t0)
+
+    def _serve_replay(self, sock, ident: bytes, start: int) -> None:
         stats = self._stats
         try:
             for seq, topic, payload in self._ring.since(start):

@@ -89,6 +89,8 @@ class Subscriber:
         self._bind_sub = None
         self._closed = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        #: telemetry hook object (installed by kvevents.telemetry; None: the cost is one check)
+        self.hooks = None
         specs = [self._spec(p) for p in publishers]
         if bind is None and not specs:
             raise EndpointError("Subscriber needs publisher endpoints, or bind=ENDPOINT for publishers to connect to")
@@ -174,6 +176,8 @@ class Subscriber:
         peer.tracker.request = None
         self._drop_dealer(peer)  # a fresh socket per request: no stale answers mixed in
         self._dealer(peer).send_multipart((b"", start.to_bytes(8, "big")), zmq.NOBLOCK)
+        if self.hooks is not None:
+            self.hooks.on_replay_request(peer.name, peer.tracker.topic, start)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -205,8 +209,12 @@ class Subscriber:
                 out.extend(tracker.tick(now))
                 if not tracker.recovering:
                     self._drop_dealer(peer)
+                    if self.hooks is not None:
+                        self.hooks.on_replay_end(peer.name, False)
             if tracker.request is not None:
                 self._send_request(peer)
+        if self.hooks is not None and out:
+            self.hooks.on_deliveries(out)
         return out
 
     def _count(self, peer: _Peer | None, kind: str) -> None:
@@ -226,12 +234,18 @@ class Subscriber:
         if len(seq_b) != 8:
             self._count(peer, "seq")
             return
+        hooks = self.hooks
+        if hooks is not None:
+            t0 = time.time_ns()
         try:
             batch = self._decoder.decode(payload)
         except DecodeError:
             self._count(peer, "payload")
             batch = None
-        out.extend(peer.tracker.on_live(int.from_bytes(seq_b, "big"), batch, now, topic))
+        seq = int.from_bytes(seq_b, "big")
+        if hooks is not None:
+            hooks.on_receive(peer.name, topic, seq, batch, len(payload), t0, False)
+        out.extend(peer.tracker.on_live(seq, batch, now, topic))
         if peer.tracker.request is not None:
             self._send_request(peer)
 
@@ -240,18 +254,26 @@ class Subscriber:
         if len(frames) == 4 and frames[0] == b"" and frames[2] == END_SEQ:
             out.extend(tracker.on_replay_end(now))
             self._drop_dealer(peer)
+            if self.hooks is not None:
+                self.hooks.on_replay_end(peer.name, True)
             if tracker.request is not None:
                 self._send_request(peer)
             return
         if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
             self._count(peer, "replay")
             return
+        hooks = self.hooks
+        if hooks is not None:
+            t0 = time.time_ns()
         try:
             batch = self._decoder.decode(frames[3])
         except DecodeError:
             self._count(peer, "payload")
             batch = None
-        out.extend(tracker.on_replay(int.from_bytes(frames[2], "big"), batch, now))
+        seq = int.from_bytes(frames[2], "big")
+        if hooks is not None:
+            hooks.on_receive(peer.name, frames[1].decode(errors="replace"), seq, batch, len(frames[3]), t0, True)
+        out.extend(tracker.on_replay(seq, batch, now))
 
     # ---- iteration ---------------------------------------------------------------------------
 

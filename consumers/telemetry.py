@@ -1,0 +1,233 @@
+"""Telemetry of the router: metrics over its counters and index, score and process spans.
+
+* :func:`observe_router`: observable instruments over ``router.stats`` and the index; a
+  score wrapper counts lookups, prompt tokens and the best pod's matched tokens per tier
+  (plain ints). Entries and memory per tier come from a scan of the index, done at most once
+  per ``refresh_interval`` seconds (it is O(keys)).
+* :func:`instrument_router`: a ``process <topic>`` span (CONSUMER) per delivery handled,
+  child of the subscriber's receive span when it ran in this process, and a
+  ``kvevents.router.score`` span per score()/pick().
+
+Both install instance attributes over the router's own methods; ``close()`` removes them.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.metrics import Meter
+from opentelemetry.trace import Link, SpanKind
+
+from kvevents.telemetry.instruments import Observation, get_meter, get_tracer
+from kvevents.telemetry.messaging import MESSAGES, SYSTEM, MessageRegistry, message_id
+
+__all__ = ["RouterProbe", "instrument_router", "observe_router"]
+
+_PROBE = "_kvevents_router_probe"
+_UNJOINED = {"held": "pending_held", "resolved": "pending_resolved", "expired": "pending_expired",
+             "dropped": "pending_dropped", "cancelled": "pending_cancelled"}
+
+
+class RouterProbe:
+    """The wrappers over ``score`` and ``handle``; counting and tracing are switched apart."""
+
+    def __init__(self, router: Any) -> None:
+        self.router = router
+        self.counting = False
+        self.tracer: trace.Tracer | None = None
+        self.registry: MessageRegistry = MESSAGES
+        self.lookups = 0
+        self.prompt_tokens = 0
+        self.matched: dict[str, int] = {}
+        orig_score = router.score
+        orig_handle = router.handle
+
+        def score(tokens, lora_name=None, *, model=None, load=None):
+            tracer = self.tracer
+            if tracer is None:
+                scores = orig_score(tokens, lora_name, model=model, load=load)
+                if self.counting:
+                    self._count(tokens, scores)
+                return scores
+            with tracer.start_as_current_span("kvevents.router.score", kind=SpanKind.INTERNAL) as span:
+                scores = orig_score(tokens, lora_name, model=model, load=load)
+                best = self._count(tokens, scores) if self.counting else _best(scores)
+                if span.is_recording():
+                    span.set_attribute("kvevents.router.prompt_tokens", len(tokens))
+                    span.set_attribute("kvevents.router.pods", len(scores))
+                    if best is not None:
+                        span.set_attribute("kvevents.router.best_pod", best.pod)
+                        span.set_attribute("kvevents.router.matched_tokens", best.matched_tokens)
+                        for tier, n in best.tokens_by_tier.items():
+                            span.set_attribute(f"kvevents.router.matched_tokens.{tier}", n)
+                return scores
+
+        def handle(delivery):
+            tracer = self.tracer
+            if tracer is None:
+                return orig_handle(delivery)
+            topic, seq = delivery.topic, delivery.seq
+            mid = message_id(topic, seq)
+            parent = self.registry.parent_of_process(mid)
+            ctx = None if parent is None else trace.set_span_in_context(trace.NonRecordingSpan(parent))
+            kind = getattr(delivery.kind, "value", str(delivery.kind))
+            attrs = {"messaging.system": SYSTEM, "messaging.operation.type": "process",
+                     "messaging.operation.name": "apply", "messaging.destination.name": topic,
+                     "messaging.message.id": mid, "kvevents.publisher": delivery.publisher,
+                     "kvevents.delivery.kind": kind, "kvevents.seq": seq}
+            batch = delivery.batch
+            if batch is not None:
+                attrs["messaging.batch.message_count"] = len(batch.events)
+            with tracer.start_as_current_span(f"process {topic}", context=ctx, kind=SpanKind.CONSUMER,
+                                              attributes=attrs,
+                                              links=[Link(parent)] if parent is not None else None) as span:
+                errors = sum(self.router.stats.errors.values())
+                out = orig_handle(delivery)
+                if span.is_recording():
+                    span.set_attribute("kvevents.router.errors", sum(self.router.stats.errors.values()) - errors)
+                return out
+
+        router.__dict__["score"] = score
+        router.__dict__["handle"] = handle
+
+    def _count(self, tokens, scores):
+        self.lookups += 1
+        self.prompt_tokens += len(tokens)
+        best = _best(scores)
+        if best is not None:
+            m = self.matched
+            for tier, n in best.tokens_by_tier.items():
+                m[tier] = m.get(tier, 0) + n
+        return best
+
+    def maybe_close(self) -> None:
+        if not self.counting and self.tracer is None:
+            for name in ("score", "handle"):
+                self.router.__dict__.pop(name, None)
+            self.router.__dict__.pop(_PROBE, None)
+
+
+def _best(scores: dict):
+    if not scores:
+        return None
+    return min(scores.values(), key=lambda s: (-s.total, s.load, s.pod))
+
+
+def _probe(router: Any) -> RouterProbe:
+    p = router.__dict__.get(_PROBE)
+    if p is None:
+        p = router.__dict__[_PROBE] = RouterProbe(router)
+    return p
+
+
+class _IndexScan:
+    """Entries and approximate bytes per tier, recomputed at most every ``interval`` seconds."""
+
+    def __init__(self, router: Any, interval: float) -> None:
+        self.router = router
+        self.interval = interval
+        self.at = -1e18
+        self.entries: dict[str, int] = {}
+        self.nbytes: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def get(self) -> tuple[dict[str, int], dict[str, int]]:
+        with self.lock:
+            now = time.monotonic()
+            if now - self.at >= self.interval:
+                self._scan()
+                self.at = now
+            return self.entries, self.nbytes
+
+    def _scan(self) -> None:
+        r = self.router
+        index = r._index
+        cap = index.cap
+        full = (1 << cap) - 1
+        tiers = list(r._tiers.items())  # name -> lane
+        masks = list(index.masks.values())  # one C-level copy: consistent under the GIL
+        counts = dict.fromkeys((name for name, _ in tiers), 0)
+        for m in masks:
+            if m:
+                for name, t in tiers:
+                    lane = (m >> (t * cap)) & full
+                    if lane:
+                        counts[name] += lane.bit_count()
+        size = sys.getsizeof
+        total = size(index.masks) + size(index.parents) + sum(size(m) + 28 for m in masks)
+        for lmap in list(r._learned.maps.values()):
+            total += size(lmap) + 28 * len(lmap)
+        n = sum(counts.values()) or 1
+        self.entries = counts
+        self.nbytes = {name: int(total * c / n) for name, c in counts.items()}
+
+
+def observe_router(router: Any, meter: Meter | None = None, *, refresh_interval: float = 5.0,
+                   attributes: dict[str, str] | None = None) -> Observation:
+    """Observable instruments over a :class:`consumers.KVRouter`; ``close()`` removes them."""
+    meter = get_meter(meter)
+    extra = dict(attributes or {})
+    obs = Observation(router)
+    probe = _probe(router)
+    probe.counting = True
+    stats = router.stats
+    base = dict(extra)
+    scan = _IndexScan(router, refresh_interval)
+    cache: dict[tuple, dict] = {}
+
+    def a(**kv) -> dict:
+        key = tuple(kv.items())
+        d = cache.get(key)
+        if d is None:
+            d = cache[key] = {**kv, **extra}
+        return d
+
+    def simple(fn):
+        return lambda: [(fn(), base)]
+
+    obs.add(meter, "kvevents.router.entries", lambda: [(n, a(tier=t)) for t, n in scan.get()[0].items()])
+    obs.add(meter, "kvevents.router.index.size", lambda: [(n, a(tier=t)) for t, n in scan.get()[1].items()])
+    obs.add(meter, "kvevents.router.batches", simple(lambda: stats.batches))
+    obs.add(meter, "kvevents.router.events", simple(lambda: stats.events))
+    obs.add(meter, "kvevents.router.lookups", simple(lambda: probe.lookups))
+    obs.add(meter, "kvevents.router.prompt.tokens", simple(lambda: probe.prompt_tokens))
+    obs.add(meter, "kvevents.router.matched.tokens",
+            lambda: [(n, a(tier=t)) for t, n in list(probe.matched.items())])
+    obs.add(meter, "kvevents.router.offload.unjoined",
+            lambda: [(getattr(stats, f), a(outcome=o)) for o, f in _UNJOINED.items()])
+    obs.add(meter, "kvevents.router.offload.pending", simple(lambda: len(router._pending)))
+    obs.add(meter, "kvevents.router.evicted", simple(lambda: router._index.evicted_entries))
+    obs.add(meter, "kvevents.router.removals",
+            lambda: [(stats.blocks_removed, a(outcome="removed")), (stats.remove_unknown, a(outcome="unknown"))])
+    obs.add(meter, "kvevents.router.errors", lambda: [(n, a(kind=k)) for k, n in list(stats.errors.items())])
+    obs.add(meter, "kvevents.router.gaps", simple(lambda: stats.gaps))
+    obs.add(meter, "kvevents.router.resets", simple(lambda: stats.resets))
+
+    def stop():
+        probe.counting = False
+        probe.maybe_close()
+
+    obs.on_close(stop)
+    return obs
+
+
+class _Traced:
+    def __init__(self, probe: RouterProbe) -> None:
+        self.probe = probe
+
+    def close(self) -> None:
+        self.probe.tracer = None
+        self.probe.maybe_close()
+
+
+def instrument_router(router: Any, tracer_provider: trace.TracerProvider | None = None,
+                      registry: MessageRegistry = MESSAGES) -> _Traced:
+    """Process spans per delivery handled and score spans; ``close()`` removes them."""
+    probe = _probe(router)
+    probe.tracer = get_tracer(tracer_provider)
+    probe.registry = registry
+    return _Traced(probe)

@@ -1,0 +1,121 @@
+"""Metrics of the publisher and the subscriber, read from their plain-int counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry.metrics import Meter
+
+from ..delivery import HealthState
+from .instruments import Observation, get_meter, histogram
+from .messaging import subscriber_hooks
+
+__all__ = ["observe_publisher", "observe_subscriber"]
+
+_PUB_COUNTERS = {
+    "kvevents.publisher.batches": "batches_published",
+    "kvevents.publisher.events": "events_published",
+    "kvevents.publisher.bytes": "bytes_published",
+    "kvevents.publisher.queue.depth": "queue_depth",
+    "kvevents.publisher.overflow": "overflow",
+    "kvevents.publisher.overflow.lost": "overflow_lost",
+    "kvevents.publisher.live.dropped": "live_dropped",
+    "kvevents.publisher.ring.batches": "ring_batches",
+    "kvevents.publisher.ring.size": "ring_bytes",
+    "kvevents.publisher.ring.evicted": "ring_evicted",
+    "kvevents.publisher.replay.requests": "replay_requests",
+    "kvevents.publisher.replay.served": "replay_batches_served",
+    "kvevents.publisher.replay.rate_limited": "replay_rate_limited",
+}
+_PUB_ERRORS = {"encode": "encode_errors", "send": "send_errors", "replay_malformed": "replay_malformed",
+               "replay_aborted": "replay_aborted"}
+
+_SUB_COUNTERS = {
+    "kvevents.subscriber.received": "received",
+    "kvevents.subscriber.gaps": "gaps",
+    "kvevents.subscriber.recovered": "recovered",
+    "kvevents.subscriber.unrecoverable": "unrecoverable",
+    "kvevents.subscriber.resets": "resets",
+}
+_STATES = tuple(s.value for s in HealthState)
+_MALFORMED = ("frames", "seq", "payload", "replay")  # the subscriber's kinds: reported from 0
+
+
+def observe_publisher(pub: Any, meter: Meter | None = None, *, name: str | None = None,
+                      attributes: dict[str, str] | None = None) -> Observation:
+    """Observable instruments over ``pub.stats()`` (any EventPublisher with that dict).
+
+    ``name`` is the ``publisher`` attribute (default: the topic, else the endpoint);
+    ``attributes`` are added to every point.
+    """
+    meter = get_meter(meter)
+    label = name or getattr(pub, "topic", "") or getattr(pub, "endpoint", "") or type(pub).__name__
+    attrs = {"publisher": label, **(attributes or {})}
+    obs = Observation(pub)
+    stats = pub.stats
+
+    def reader(key: str):
+        return lambda: [(stats().get(key, 0), attrs)]
+
+    for metric, key in _PUB_COUNTERS.items():
+        obs.add(meter, metric, reader(key))
+    err_attrs = {kind: {**attrs, "kind": kind} for kind in _PUB_ERRORS}
+
+    def errors():
+        s = stats()
+        return [(s.get(key, 0), err_attrs[kind]) for kind, key in _PUB_ERRORS.items()]
+
+    obs.add(meter, "kvevents.publisher.errors", errors)
+    return obs
+
+
+def observe_subscriber(sub: Any, meter: Meter | None = None, *,
+                       attributes: dict[str, str] | None = None) -> Observation:
+    """Observable instruments over ``sub.health()`` per publisher, and the lag histogram
+    (recorded per delivered batch through the subscriber's hook)."""
+    meter = get_meter(meter)
+    extra = dict(attributes or {})
+    obs = Observation(sub)
+    cache: dict[tuple, dict] = {}
+
+    def a(**kv) -> dict:
+        key = tuple(kv.items())
+        d = cache.get(key)
+        if d is None:
+            d = cache[key] = {**kv, **extra}
+        return d
+
+    def reader(field: str):
+        return lambda: [(getattr(h, field), a(publisher=p)) for p, h in sub.health().items()]
+
+    for metric, field in _SUB_COUNTERS.items():
+        obs.add(meter, metric, reader(field))
+
+    def malformed():
+        out = [(h.malformed.get(k, 0), a(publisher=p, kind=k)) for p, h in sub.health().items()
+               for k in (*_MALFORMED, *(k for k in h.malformed if k not in _MALFORMED))]
+        shared = getattr(sub, "_malformed", None) or {}  # bind mode: frames no publisher can be named for
+        out.extend((n, a(publisher="(bind)", kind=k)) for k, n in dict(shared).items())
+        return out
+
+    def health():
+        out = []
+        for p, h in sub.health().items():
+            state = h.state.value
+            out.extend((1 if s == state else 0, a(publisher=p, state=s)) for s in _STATES)
+        return out
+
+    obs.add(meter, "kvevents.subscriber.malformed", malformed)
+    obs.add(meter, "kvevents.subscriber.health", health)
+    hooks = subscriber_hooks(sub)
+    hooks.lag = histogram(meter, "kvevents.subscriber.lag")
+    hooks.lag_attrs = {}
+    hooks.lag_extra = extra
+
+    def remove_lag():
+        hooks.lag = None
+        if hooks.tracer is None and getattr(sub, "hooks", None) is hooks:
+            sub.hooks = None
+
+    obs.on_close(remove_lag)
+    return obs

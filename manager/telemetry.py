@@ -1,0 +1,354 @@
+"""Telemetry of the offload manager: metrics over its counters, spans per step and per job.
+
+* :func:`observe_manager` / :func:`observe_engine`: observable instruments reading the
+  primary's and the tiers' plain-int counters (and the simulated engine's); a transfer-job
+  probe (a wrapper around ``submit_*``/``get_finished*`` of the engine's transfer worker and
+  of each secondary tier) records the job-latency histogram and counts bytes, promotions,
+  cascades and failures;
+* :func:`instrument_engine` / :func:`instrument_manager`: a span per engine step
+  (``kvevents.step``, current while the step runs, so the publisher's send span is its
+  child), a span per ``on_schedule_end``, and a span per transfer job (submit to result).
+
+Everything is installed as instance attributes over the components' own methods and
+removed by ``close()``/:func:`uninstrument`: the manager's code does not change.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.metrics import Meter
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from kvevents.telemetry.instruments import Observation, get_meter, get_tracer, histogram
+
+__all__ = ["JobProbe", "default_tier_names", "instrument_engine", "instrument_manager", "observe_engine",
+           "observe_manager", "uninstrument"]
+
+_PROBE = "_kvevents_job_probe"
+
+
+def default_tier_names(mgr: Any) -> list[str]:
+    """``[primary, *secondary]``: each tier's medium, its tier_type where two share a medium."""
+    primary = getattr(mgr, "primary", mgr)
+    names = [str(getattr(primary, "medium", "CPU"))]
+    tiers = list(getattr(mgr, "tiers", ()))
+    media = [str(getattr(t, "medium", "STORAGE")) for t in tiers]
+    for t, m in zip(tiers, media):
+        names.append(m if media.count(m) == 1 and m != names[0] else f"{m}/{getattr(t, 'tier_type', len(names))}")
+    return names
+
+
+def _patch(obj: Any, name: str, fn: Any, undo: list) -> None:
+    obj.__dict__[name] = fn
+    undo.append(lambda: obj.__dict__.pop(name, None))
+
+
+class JobProbe:
+    """Wraps a transfer worker or a secondary tier: submit time per job, and on each result
+    the latency histogram, plain-int counts by direction, and (when tracing) the job's span."""
+
+    def __init__(self, target: Any, tier: str, kind: str, bytes_per_block) -> None:
+        self.target = target
+        self.tier = tier
+        self.kind = kind  # "worker" (GPU<->primary) or "tier" (primary<->secondary)
+        self.bytes_per_block = bytes_per_block  # callable -> int
+        self.jobs: dict[int, tuple[int, str, int, Any]] = {}  # job id -> (t0 ns, direction, blocks, span)
+        self.ok_blocks = {"store": 0, "load": 0}
+        self.bytes = {"store": 0, "load": 0}
+        self.failures = {"store": 0, "load": 0}
+        self.unknown_results = 0
+        self.hist = None
+        self.hist_attrs: dict[str, dict] = {}
+        self.tracer: trace.Tracer | None = None
+        self.engine = ""
+        self._undo: list = []
+        if kind == "worker":
+            self._wrap("submit_store", "store")
+            self._wrap("submit_load", "load")
+            orig = target.get_finished
+
+            def get_finished():
+                results = orig()
+                for r in results:
+                    self._done(r.job_id, r.success, getattr(r, "error", None))
+                return results
+
+            _patch(target, "get_finished", get_finished, self._undo)
+        else:
+            for name, direction in (("submit_store", "store"), ("submit_load", "load")):
+                orig_submit = getattr(target, name)
+
+                def submit(job, _orig=orig_submit, _d=direction):
+                    self._start(job.job_id, _d, len(job.keys))
+                    return _orig(job)
+
+                _patch(target, name, submit, self._undo)
+            orig_fin = target.get_finished_jobs
+
+            def get_finished_jobs():
+                results = orig_fin()
+                for r in results:
+                    self._done(r.job_id, r.success, None)
+                return results
+
+            _patch(target, "get_finished_jobs", get_finished_jobs, self._undo)
+
+    def _wrap(self, name: str, direction: str) -> None:
+        orig = getattr(self.target, name)
+
+        def submit(job_id, src, dst):
+            self._start(job_id, direction, len(src))
+            return orig(job_id, src, dst)
+
+        _patch(self.target, name, submit, self._undo)
+
+    def _start(self, job_id: int, direction: str, blocks: int) -> None:
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_span(
+                f"transfer {direction}", kind=SpanKind.INTERNAL,
+                attributes={"kvevents.transfer.direction": direction, "kvevents.tier": self.tier,
+                            "kvevents.transfer.blocks": blocks, "kvevents.transfer.job_id": int(job_id),
+                            "kvevents.engine": self.engine})
+        self.jobs[int(job_id)] = (time.perf_counter_ns(), direction, blocks, span)
+
+    def _done(self, job_id: int, success: bool, error: str | None) -> None:
+        entry = self.jobs.pop(int(job_id), None)
+        if entry is None:
+            self.unknown_results += 1
+            return
+        t0, direction, blocks, span = entry
+        nbytes = blocks * (self.bytes_per_block() or 0)
+        if success:
+            self.ok_blocks[direction] += blocks
+            self.bytes[direction] += nbytes
+        else:
+            self.failures[direction] += 1
+        if self.hist is not None:
+            attrs = self.hist_attrs.get(direction)
+            if attrs is None:
+                attrs = self.hist_attrs[direction] = {"engine": self.engine, "tier": self.tier, "direction": direction}
+            self.hist.record((time.perf_counter_ns() - t0) / 1e9, attrs)
+        if span is not None:
+            span.set_attribute("kvevents.transfer.bytes", nbytes)
+            span.set_attribute("kvevents.transfer.success", bool(success))
+            if not success:
+                span.set_status(Status(StatusCode.ERROR, error or "transfer failed"))
+            span.end()
+
+    def close(self) -> None:
+        for fn in reversed(self._undo):
+            fn()
+        self._undo.clear()
+        self.target.__dict__.pop(_PROBE, None)
+
+
+def _probe(target: Any, tier: str, kind: str, bytes_per_block) -> JobProbe:
+    p = target.__dict__.get(_PROBE)
+    if p is None:
+        p = JobProbe(target, tier, kind, bytes_per_block)
+        target.__dict__[_PROBE] = p
+    return p
+
+
+def _tier_bpb(tier: Any):
+    return lambda: getattr(getattr(tier, "block_io", None), "block_nbytes", 0)
+
+
+def _probes(mgr: Any, names: list[str], worker: Any = None) -> list[JobProbe]:
+    out = []
+    if worker is not None:
+        out.append(_probe(worker, names[0], "worker", lambda: getattr(worker, "bytes_per_block", 0)))
+    for tier, name in zip(getattr(mgr, "tiers", ()), names[1:]):
+        out.append(_probe(tier, name, "tier", _tier_bpb(tier)))
+    return out
+
+
+def observe_manager(mgr: Any, tier_names: list[str] | None = None, meter: Meter | None = None, *,
+                    engine: str = "engine0", connector: Any = None, worker: Any = None) -> Observation:
+    """Observable instruments over a manager (a primary alone, or a TieringOffloadingManager).
+
+    ``tier_names``: ``[primary, *secondary]`` (default :func:`default_tier_names`);
+    ``engine``: the ``engine`` attribute; ``connector``/``worker``: the scheduler connector and
+    the transfer worker, when known (:func:`observe_engine` passes them).
+    """
+    meter = get_meter(meter)
+    names = list(tier_names) if tier_names else default_tier_names(mgr)
+    primary = getattr(mgr, "primary", mgr)
+    tiers = list(getattr(mgr, "tiers", ()))
+    if len(names) != 1 + len(tiers):
+        raise ValueError(f"tier_names needs {1 + len(tiers)} names (primary, then each tier), got {names!r}")
+    obs = Observation(mgr)
+    A = {n: {"engine": engine, "tier": n} for n in names}
+    probes = _probes(mgr, names, worker)
+    hist = histogram(meter, "kvevents.manager.job.duration")
+    for p in probes:
+        p.hist, p.engine, p.hist_attrs = hist, engine, {}
+    by_tier = {p.tier: p for p in probes if p.kind == "tier"}
+
+    def pstat(key: str) -> int:
+        v = getattr(primary, key, None)
+        return v if isinstance(v, int) else int(primary.stats().get(key, 0))
+
+    def tier_counter(attr: str, fallback):
+        out = []
+        for t, n in zip(tiers, names[1:]):
+            v = getattr(t, attr, None)
+            if not isinstance(v, int):
+                v = fallback(by_tier[n])
+            if v is not None:
+                out.append((v, A[n]))
+        return out
+
+    def stores():
+        return [(pstat("stores_completed"), A[names[0]])] + tier_counter("stores", lambda p: p.ok_blocks["store"])
+
+    def loads():
+        first = connector.blocks_loaded if connector is not None else pstat("loads")
+        return [(first, A[names[0]])] + tier_counter("loads", lambda p: p.ok_blocks["load"])
+
+    def evictions():
+        return [(pstat("evictions"), A[names[0]])] + tier_counter("evictions", lambda p: None)
+
+    def used():
+        n = getattr(primary, "num_blocks", None)
+        out = []
+        if isinstance(n, int):
+            out.append((n - primary.num_free_blocks, A[names[0]]))
+        for t, name in zip(tiers, names[1:]):
+            idx = getattr(t, "_index", None)
+            out.append((len(idx) if idx is not None else len(t.cached_keys()), A[name]))
+        return out
+
+    def capacity():
+        n = getattr(primary, "num_blocks", None)
+        out = [(n, A[names[0]])] if isinstance(n, int) else []
+        for t, name in zip(tiers, names[1:]):
+            c = getattr(t, "capacity_blocks", None)
+            if isinstance(c, int):
+                out.append((c, A[name]))
+        return out
+
+    DA = {(n, d): {"engine": engine, "tier": n, "direction": d} for n in names for d in ("store", "load")}
+
+    def per_probe(field: str):
+        return lambda: [(getattr(p, field)[d], DA[(p.tier, d)]) for p in probes for d in ("store", "load")]
+
+    obs.add(meter, "kvevents.manager.stores", stores)
+    obs.add(meter, "kvevents.manager.loads", loads)
+    obs.add(meter, "kvevents.manager.evictions", evictions)
+    obs.add(meter, "kvevents.manager.blocks.used", used)
+    obs.add(meter, "kvevents.manager.blocks.capacity", capacity)
+    obs.add(meter, "kvevents.manager.bytes", per_probe("bytes"))
+    obs.add(meter, "kvevents.manager.job.failures", per_probe("failures"))
+    obs.add(meter, "kvevents.manager.promotions",
+            lambda: [(p.ok_blocks["load"], A[p.tier]) for p in probes if p.kind == "tier"])
+    obs.add(meter, "kvevents.manager.cascades",
+            lambda: [(p.ok_blocks["store"], A[p.tier]) for p in probes if p.kind == "tier"])
+    if connector is not None:
+        ea = {"engine": engine}
+        obs.add(meter, "kvevents.manager.steps", lambda: [(connector.steps, ea)])
+
+    def stop():
+        for p in probes:
+            p.hist = None
+            if p.tracer is None:
+                p.close()
+
+    obs.on_close(stop)
+    return obs
+
+
+def observe_engine(engine: Any, meter: Meter | None = None, *, name: str = "engine0",
+                   tier_names: list[str] | None = None) -> Observation:
+    """:func:`observe_manager` over ``engine.manager`` (with its connector and transfer worker)
+    plus the engine's token and request counters."""
+    meter = get_meter(meter)
+    obs = observe_manager(engine.manager, tier_names, meter, engine=name, connector=engine.connector,
+                          worker=engine.worker)
+    kinds = {"computed": "computed_tokens", "gpu_hit": "gpu_hit_tokens", "offload_hit": "offload_hit_tokens"}
+    ka = {k: {"engine": name, "kind": k} for k in kinds}
+    ea = {"engine": name}
+    obs.add(meter, "kvevents.engine.tokens", lambda: [(getattr(engine, a), ka[k]) for k, a in kinds.items()])
+    obs.add(meter, "kvevents.engine.requests", lambda: [(engine.requests_finished, ea)])
+    return obs
+
+
+# ---- tracing ---------------------------------------------------------------------------------
+
+class _Traced:
+    def __init__(self) -> None:
+        self.undo: list = []
+        self.probes: list[JobProbe] = []
+
+    def close(self) -> None:
+        for fn in reversed(self.undo):
+            fn()
+        self.undo.clear()
+        for p in self.probes:
+            p.tracer = None
+            if p.hist is None:
+                p.close()
+
+
+def instrument_manager(mgr: Any, tier_names: list[str] | None = None, *, engine: str = "engine0",
+                       worker: Any = None, tracer_provider: trace.TracerProvider | None = None) -> _Traced:
+    """A span per ``on_schedule_end`` and per transfer job; ``close()`` removes them."""
+    tracer = get_tracer(tracer_provider)
+    names = list(tier_names) if tier_names else default_tier_names(mgr)
+    t = _Traced()
+    t.probes = _probes(mgr, names, worker)
+    for p in t.probes:
+        p.tracer, p.engine = tracer, engine
+    orig = mgr.on_schedule_end
+    jobs = getattr(mgr, "_jobs", None)
+
+    def on_schedule_end():
+        with tracer.start_as_current_span("kvevents.manager.schedule_end", kind=SpanKind.INTERNAL) as span:
+            before = sum(len(p.jobs) for p in t.probes if p.kind == "tier")
+            orig()
+            if span.is_recording():
+                span.set_attribute("kvevents.engine", engine)
+                span.set_attribute("kvevents.manager.tier_jobs_submitted",
+                                   max(0, sum(len(p.jobs) for p in t.probes if p.kind == "tier") - before))
+                if isinstance(jobs, dict):
+                    span.set_attribute("kvevents.manager.tier_jobs_in_flight", len(jobs))
+
+    _patch(mgr, "on_schedule_end", on_schedule_end, t.undo)
+    return t
+
+
+_STEP_ATTRS = ("scheduled_new", "scheduled_running", "preempted", "finished", "computed_tokens", "gpu_hit_tokens",
+               "offload_hit_tokens", "load_jobs", "store_jobs", "jobs_flushed", "gpu_events", "offload_events",
+               "published")
+
+
+def instrument_engine(engine: Any, *, name: str = "engine0", tier_names: list[str] | None = None,
+                      tracer_provider: trace.TracerProvider | None = None) -> _Traced:
+    """A span ``kvevents.step`` per ``engine.step()`` (current while it runs: the connector's
+    ``on_schedule_end`` span, the transfer-job spans and the publisher's send span are its
+    children) with the step's figures (jobs flushed, jobs, events); ``close()`` removes it."""
+    tracer = get_tracer(tracer_provider)
+    t = instrument_manager(engine.manager, tier_names, engine=name, worker=engine.worker,
+                           tracer_provider=tracer_provider)
+    orig = engine.step
+
+    def step():
+        with tracer.start_as_current_span("kvevents.step", kind=SpanKind.INTERNAL) as span:
+            st = orig()
+            if span.is_recording():
+                span.set_attribute("kvevents.engine", name)
+                span.set_attribute("kvevents.step", st.step)
+                for a in _STEP_ATTRS:
+                    span.set_attribute(f"kvevents.step.{a}", getattr(st, a))
+            return st
+
+    _patch(engine, "step", step, t.undo)
+    return t
+
+
+def uninstrument(traced: _Traced) -> None:
+    traced.close()
