@@ -245,6 +245,8 @@ class KVRouter(IngestMixin):
         models = set(self._pod_model.values())
         if len(models) == 1:
             return next(iter(models))
+        if not models:
+            return ""  # no pod heard yet: every prompt scores nothing
         raise RouterInputError(f"score: name the model (pods serve {sorted(models)!r})")
 
     def _state(self, ep: Endpoint) -> str:

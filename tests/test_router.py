@@ -312,3 +312,11 @@ def test_config_validation():
         RouterConfig(offload_chunk_blocks={"CPU": 0})
     with pytest.raises(TypeError):
         KVRouter(RouterConfig(), model="x")
+
+
+def test_an_empty_router_scores_nothing() -> None:
+    from consumers import KVRouter
+
+    router = KVRouter()
+    assert router.score(list(range(64))) == {}
+    assert router.pick(list(range(64))) is None
