@@ -14,12 +14,12 @@ Known limitations (measured in ``benchmarks/router.py``):
   first key it shares with a sibling still held (the score under-reports, never over-reports).
 * ``reset_pod``/``AllBlocksCleared``/``remove_pod`` scan every key (one C-level pass, then
   a Python loop over the keys the endpoint held).
-* ``run()`` polls ``health()`` only when a delivery arrives.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
@@ -219,13 +219,30 @@ class KVRouter(IngestMixin):
             state = getattr(h, "state", h)
             self.set_health(pod, getattr(state, "value", str(state)))
 
-    def run(self, subscriber: Iterable, *, stop: object = None) -> int:
-        """Apply every delivery ``subscriber`` yields until it ends (or ``stop.is_set()``);
-        polls ``subscriber.health()`` every ``health_every`` deliveries. Returns the count."""
-        every = self._cfg.health_every
+    def run(self, subscriber: Iterable, *, stop: object = None, health_interval: float = 1.0) -> int:
+        """Apply every delivery ``subscriber`` yields until it ends (or ``stop.is_set()``).
+
+        A live :class:`kvevents.Subscriber` (anything with ``poll(timeout_ms)``) is polled, so
+        ``stop`` is seen within 0.1 s and ``health()`` is read every ``health_interval`` seconds
+        even while a pod is silent (that is how a STALE pod gets excluded); a plain iterable is
+        consumed as is, with ``health()`` read every ``health_every`` deliveries. Returns the count.
+        """
         n = 0
         is_set = getattr(stop, "is_set", None)
         self.refresh_health(subscriber)
+        poll = getattr(subscriber, "poll", None)
+        if callable(poll):
+            next_health = time.monotonic() + health_interval
+            while is_set is None or not is_set():
+                for delivery in poll(100):
+                    self.handle(delivery)
+                    n += 1
+                if time.monotonic() >= next_health:
+                    self.refresh_health(subscriber)
+                    next_health = time.monotonic() + health_interval
+            self.refresh_health(subscriber)
+            return n
+        every = self._cfg.health_every
         for delivery in subscriber:
             self.handle(delivery)
             n += 1

@@ -127,3 +127,42 @@ def test_vllm_capture_through_the_router(conformance_dir):
     for _t, _seq, b in replay:
         r.apply("pod-a", b, model="demo-model")
     assert r.entries() == before
+
+
+def test_run_reads_health_while_a_pod_is_silent() -> None:
+    """With a polling subscriber, a pod that goes STALE is excluded without any delivery arriving."""
+    import threading
+
+    from consumers import KVRouter
+    from kvevents.delivery import Delivery, DeliveryKind, HealthState, PublisherHealth
+    from tests.router_helpers import batch, gpu, toks
+
+    router = KVRouter()
+    stop = threading.Event()
+    state = {"p": HealthState.SYNCED}
+    tokens = toks(0, 2)
+
+    class FakeSub:
+        def __init__(self) -> None:
+            self.pending = [Delivery(DeliveryKind.BATCH, "p", "kv@pod-a@m", 0, batch(gpu([11, 12], None, tokens)), 0.0)]
+            self.polls = 0
+
+        def poll(self, timeout_ms: int):
+            self.polls += 1
+            out, self.pending = self.pending, []
+            if self.polls == 3:
+                state["p"] = HealthState.STALE  # silent from now on
+            if self.polls == 2:
+                assert router.score(tokens, model="m")["pod-a"].total > 0
+            if self.polls >= 3 and not any(sc.total > 0 for sc in router.score(tokens, model="m").values()):
+                stop.set()
+            if self.polls > 10_000:
+                stop.set()
+            return out
+
+        def health(self):
+            return {"p": PublisherHealth("p", state=state["p"])}
+
+    sub = FakeSub()
+    assert router.run(sub, stop=stop, health_interval=0.0) == 1
+    assert sub.polls < 10_000, "the STALE pod was never excluded"
