@@ -46,6 +46,7 @@ from .transfer_base import (
     _Job,
     check_host_layout,
     contiguous_runs,
+    copy_runs,
     expand_block_ids,
 )
 
@@ -95,19 +96,17 @@ class _CpuTorchWorker(ThreadedTransferWorker):
         self.device_cache = device_cache
         self.host_cache = host
         super().__init__(device_cache.shape[0], host.shape[0], name="kv-transfer-torch")
+        self._dev_bytes = device_cache.view(device_cache.shape[0], -1).view(torch.uint8).numpy()
+        self._host_bytes = host.view(host.shape[0], -1).view(torch.uint8).numpy()
         self.bytes_per_block = device_cache[0].numel() * device_cache.element_size() if device_cache.shape[0] else 0
 
     def _copy(self, job: _Job) -> None:
+        # byte views of both buffers: one memcpy per contiguous run of ids (index_select +
+        # index_copy_ measured 5-10x slower on CPU, float16 worst)
         if job.direction == STORE:
-            src, dst = self.device_cache, self.host_cache
+            copy_runs(self._host_bytes, self._dev_bytes, job.src, job.dst)
         else:
-            src, dst = self.host_cache, self.device_cache
-        runs = contiguous_runs(job.src, job.dst)
-        if len(runs) * 4 <= len(job.src):  # few long runs: plain slice copies
-            for s, d, n in runs:
-                dst[d : d + n].copy_(src[s : s + n])
-        else:
-            dst.index_copy_(0, torch.from_numpy(job.dst), src.index_select(0, torch.from_numpy(job.src)))
+            copy_runs(self._dev_bytes, self._host_bytes, job.src, job.dst)
 
 
 class _CudaTorchWorker(TransferWorker):

@@ -107,6 +107,15 @@ def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, in
     return [(int(src[s]), int(dst[s]), int(e - s)) for s, e in zip(starts, ends)]
 
 
+def copy_runs(dst: np.ndarray, src: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+    """``dst[dst_ids] = src[src_ids]`` as one slice copy per contiguous run.
+
+    Fancy indexing would gather into a temporary and scatter it (two passes over the bytes,
+    measured 1.5-10x slower than per-run memcpy on this machine's CPUs)."""
+    for s, d, n in contiguous_runs(src_ids, dst_ids):
+        dst[d : d + n] = src[s : s + n]
+
+
 @dataclass(slots=True)
 class _Job:
     job_id: int
@@ -323,9 +332,9 @@ class NumpyTransferWorker(ThreadedTransferWorker):
 
     def _copy(self, job: _Job) -> None:
         if job.direction == STORE:
-            self.host_cache[job.dst] = self.device_cache[job.src]
+            copy_runs(self.host_cache, self.device_cache, job.src, job.dst)
         else:
-            self.device_cache[job.dst] = self.host_cache[job.src]
+            copy_runs(self.device_cache, self.host_cache, job.src, job.dst)
 
 
 def check_host_layout(dev_shape: Sequence[int], dev_dtype: Any, host_shape: Sequence[int], host_dtype: Any) -> None:
