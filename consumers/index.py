@@ -144,8 +144,12 @@ class BlockIndex:
                 new += 1
                 m |= bit
             masks[k] = setdefault(m, m)
+        self._added(new, len(keys))
+
+    def _added(self, new: int, moved: int) -> None:
+        """Bookkeeping after a batch of keys was set: counts, compaction, the entry budget."""
         self.entries += new
-        self.moves += len(keys)
+        self.moves += moved
         if self.moves >= _COMPACT_EVERY:
             self.compact()
             if len(self.intern) > self.intern_limit:
@@ -170,14 +174,7 @@ class BlockIndex:
                 new += 1
                 m |= bit
             masks[k] = setdefault(m, m)
-        self.entries += new
-        self.moves += len(keys)
-        if self.moves >= _COMPACT_EVERY:
-            self.compact()
-            if len(self.intern) > self.intern_limit:
-                self.reintern()
-        if self.entries > self.max_entries or len(self.masks) > self.max_entries:
-            self.evict()
+        self._added(new, len(keys))
 
     def add(self, keys: list[int], bit: int) -> None:
         """Set ``bit`` on ``keys`` (no parent links: an offload join); duplicates are fine."""

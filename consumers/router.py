@@ -134,7 +134,9 @@ class KVRouter(IngestMixin):
         self.stats.resets += 1
         for ep in self._pod_endpoints(pod):
             self._clear_endpoint(ep)
-            ep.block_size = 0
+            # the engine block size is configuration, not state: a restarted engine keeps it
+            # (its next GPU event re-teaches it if not), so an offload joined before that event
+            # still spans the right keys
             ep.chunk_keys.clear()
             ep.token_tiers.clear()
 

@@ -10,7 +10,7 @@ under-report a sibling's shared key, which the model does not follow).
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from consumers import KVRouter, RouterConfig
@@ -138,6 +138,13 @@ def scenario(draw):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario())
+# found by this test: an offload joined after a reset, before the pod's next GPU event, must still
+# span the engine block's keys (the engine block size survives a reset)
+@example(([("w", BlockStored([ehash(4, (1, 1, 1, 1))], None, [1, 1, 1, 1], 4, None, "GPU", None)),
+           ("w", "reset"),
+           ("a", BlockStored([ehash(2, (1, 1))], None, [1, 1], 2, None, "GPU", None)),
+           ("w", BlockStored([ehash(4, (1, 1, 1, 1))], None, [], 0, None, "CPU", None))],
+          [[], [1, 1]]))
 def test_router_matches_brute_force_model(sc):
     ops, prompts = sc
     r = KVRouter(RouterConfig(block_size=C, model="m", offload_chunk_blocks={"CPU": 1, "STORAGE": 1},
