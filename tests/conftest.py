@@ -4,6 +4,13 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI runs the property tests on a fixed seed, so a landing never depends on luck; locally they
+# explore fresh examples each run (and hypothesis's database replays what failed before).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 ROOT = Path(__file__).resolve().parent.parent
 
