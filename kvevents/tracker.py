@@ -58,6 +58,11 @@ class SeqTracker:
         if topic:
             self.topic = topic
         out: list[Delivery] = []
+        if seq == self.expected and not self.recovering and batch is not None:  # the common case
+            self.expected = seq + 1
+            h.last_seq = seq
+            self.attempts = 0
+            return [Delivery(BATCH, self.publisher, self.topic, seq, batch, now)]
         if self.recovering:
             if self.expected is not None and seq < self.expected and not self.late:
                 self._abandon(out, now)  # restarted while we were recovering
