@@ -4,9 +4,15 @@
   score wrapper counts lookups, prompt tokens and the best pod's matched tokens per tier
   (plain ints). Entries and memory per tier come from a scan of the index, done at most once
   per ``refresh_interval`` seconds (it is O(keys)).
-* :func:`instrument_router`: a ``process <topic>`` span (CONSUMER) per delivery handled,
-  child of the subscriber's receive span when it ran in this process, and a
-  ``kvevents.router.score`` span per score()/pick().
+* :func:`instrument_router`: a ``process <topic>`` span (CONSUMER) per sampled delivery
+  handled, child of the subscriber's receive span when it ran in this process, and a
+  ``kvevents.router.score`` span for one score()/pick() call in ``sample_every``.
+
+Sampling (:mod:`kvevents.telemetry.sampling`): a BATCH delivery is traced iff
+``seq % sample_every == 0``, the publisher's and the subscriber's rule, so the router's spans
+complete the same traces; RESET and GAP deliveries (rare) are always traced. Score spans are
+taken by a call counter. The decision comes first: an untraced call makes no OpenTelemetry
+call, builds no attribute dict and captures no context.
 
 Both install instance attributes over the router's own methods; ``close()`` removes them.
 """
@@ -20,10 +26,12 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.metrics import Meter
-from opentelemetry.trace import Link, SpanKind
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
+from kvevents.delivery import DeliveryKind
 from kvevents.telemetry.instruments import Observation, get_meter, get_tracer
 from kvevents.telemetry.messaging import MESSAGES, SYSTEM, MessageRegistry, message_id
+from kvevents.telemetry.sampling import resolve_sample_every
 
 __all__ = ["RouterProbe", "instrument_router", "observe_router"]
 
@@ -40,59 +48,104 @@ class RouterProbe:
         self.counting = False
         self.tracer: trace.Tracer | None = None
         self.registry: MessageRegistry = MESSAGES
+        self.every = 1  #: deliveries traced iff seq % every == 0; score calls one in every
+        self.score_calls = 0  #: score calls seen while tracing (the score sampler's counter)
         self.lookups = 0
         self.prompt_tokens = 0
         self.matched: dict[str, int] = {}
         orig_score = router.score
         orig_handle = router.handle
+        batch_kind = DeliveryKind.BATCH
 
-        def score(tokens, lora_name=None, *, model=None, load=None):
-            tracer = self.tracer
-            if tracer is None:
-                scores = orig_score(tokens, lora_name, model=model, load=load)
-                if self.counting:
-                    self._count(tokens, scores)
-                return scores
-            with tracer.start_as_current_span("kvevents.router.score", kind=SpanKind.INTERNAL) as span:
-                scores = orig_score(tokens, lora_name, model=model, load=load)
-                best = self._count(tokens, scores) if self.counting else _best(scores)
-                if span.is_recording():
-                    span.set_attribute("kvevents.router.prompt_tokens", len(tokens))
-                    span.set_attribute("kvevents.router.pods", len(scores))
-                    if best is not None:
-                        span.set_attribute("kvevents.router.best_pod", best.pod)
-                        span.set_attribute("kvevents.router.matched_tokens", best.matched_tokens)
-                        for tier, n in best.tokens_by_tier.items():
-                            span.set_attribute(f"kvevents.router.matched_tokens.{tier}", n)
-                return scores
+        # *args/**kw pass-through: rebinding score()'s keyword-only parameters costs more than
+        # the counting itself
+        def score(*args, **kw):
+            if self.tracer is not None:
+                n = self.score_calls
+                self.score_calls = n + 1
+                if n % self.every == 0:
+                    return self._traced_score(orig_score, args, kw)
+            scores = orig_score(*args, **kw)
+            if self.counting:  # inlined _count: this runs on every routing decision
+                self.lookups += 1
+                self.prompt_tokens += len(args[0] if args else kw["tokens"])
+                if scores:
+                    if len(scores) == 1:
+                        for best in scores.values():
+                            pass
+                    else:
+                        best = _best(scores)
+                    m = self.matched
+                    for tier, n in best.tokens_by_tier.items():
+                        m[tier] = m.get(tier, 0) + n
+            return scores
 
         def handle(delivery):
-            tracer = self.tracer
-            if tracer is None:
+            if self.tracer is None or (delivery.seq % self.every and delivery.kind is batch_kind):
                 return orig_handle(delivery)
-            topic, seq = delivery.topic, delivery.seq
-            mid = message_id(topic, seq)
-            parent = self.registry.parent_of_process(mid)
-            ctx = None if parent is None else trace.set_span_in_context(trace.NonRecordingSpan(parent))
-            kind = getattr(delivery.kind, "value", str(delivery.kind))
-            attrs = {"messaging.system": SYSTEM, "messaging.operation.type": "process",
-                     "messaging.operation.name": "apply", "messaging.destination.name": topic,
-                     "messaging.message.id": mid, "kvevents.publisher": delivery.publisher,
-                     "kvevents.delivery.kind": kind, "kvevents.seq": seq}
-            batch = delivery.batch
-            if batch is not None:
-                attrs["messaging.batch.message_count"] = len(batch.events)
-            with tracer.start_as_current_span(f"process {topic}", context=ctx, kind=SpanKind.CONSUMER,
-                                              attributes=attrs,
-                                              links=[Link(parent)] if parent is not None else None) as span:
-                errors = sum(self.router.stats.errors.values())
-                out = orig_handle(delivery)
-                if span.is_recording():
-                    span.set_attribute("kvevents.router.errors", sum(self.router.stats.errors.values()) - errors)
-                return out
+            return self._traced_handle(orig_handle, delivery)
 
         router.__dict__["score"] = score
         router.__dict__["handle"] = handle
+
+    # The sampled spans are made after the call, with its start time: neither call has child
+    # spans, so no context is attached and no context manager runs (a rare, cold span is
+    # the expensive part of sampling).
+
+    def _traced_score(self, orig_score, args, kw):
+        tokens = args[0] if args else kw["tokens"]
+        t0 = time.time_ns()
+        try:
+            scores = orig_score(*args, **kw)
+        except BaseException as exc:
+            self._error_span("kvevents.router.score", t0, None, {}, exc)
+            raise
+        best = self._count(tokens, scores) if self.counting else _best(scores)
+        attrs = {"kvevents.router.prompt_tokens": len(tokens), "kvevents.router.pods": len(scores)}
+        if best is not None:
+            attrs["kvevents.router.best_pod"] = best.pod
+            attrs["kvevents.router.matched_tokens"] = best.matched_tokens
+            for tier, n in best.tokens_by_tier.items():
+                attrs[f"kvevents.router.matched_tokens.{tier}"] = n
+        self.tracer.start_span("kvevents.router.score", kind=SpanKind.INTERNAL, start_time=t0,
+                               attributes=attrs).end()
+        return scores
+
+    def _traced_handle(self, orig_handle, delivery):
+        topic, seq = delivery.topic, delivery.seq
+        stats = self.router.stats
+        t0 = time.time_ns()
+        before = sum(stats.errors.values())
+        try:
+            out = orig_handle(delivery)
+            exc = None
+        except BaseException as e:
+            out, exc = None, e
+        mid = message_id(topic, seq)
+        parent = self.registry.parent_of_process(mid)
+        ctx = None if parent is None else trace.set_span_in_context(trace.NonRecordingSpan(parent))
+        kind = getattr(delivery.kind, "value", str(delivery.kind))
+        attrs = {"messaging.system": SYSTEM, "messaging.operation.type": "process",
+                 "messaging.operation.name": "apply", "messaging.destination.name": topic,
+                 "messaging.message.id": mid, "kvevents.publisher": delivery.publisher,
+                 "kvevents.delivery.kind": kind, "kvevents.seq": seq,
+                 "kvevents.router.errors": sum(stats.errors.values()) - before}
+        batch = delivery.batch
+        if batch is not None:
+            attrs["messaging.batch.message_count"] = len(batch.events)
+        links = [Link(parent)] if parent is not None else None
+        if exc is not None:
+            self._error_span(f"process {topic}", t0, ctx, attrs, exc, SpanKind.CONSUMER, links)
+            raise exc
+        self.tracer.start_span(f"process {topic}", context=ctx, kind=SpanKind.CONSUMER, start_time=t0,
+                               attributes=attrs, links=links).end()
+        return out
+
+    def _error_span(self, name, t0, ctx, attrs, exc, kind=SpanKind.INTERNAL, links=None) -> None:
+        span = self.tracer.start_span(name, context=ctx, kind=kind, start_time=t0, attributes=attrs, links=links)
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        span.end()
 
     def _count(self, tokens, scores):
         self.lookups += 1
@@ -112,9 +165,14 @@ class RouterProbe:
 
 
 def _best(scores: dict):
-    if not scores:
-        return None
-    return min(scores.values(), key=lambda s: (-s.total, s.load, s.pod))
+    """The pod ``pick()`` would choose: highest total, then lower load, then name (one pass,
+    no key tuples: it runs per lookup)."""
+    best = None
+    for s in scores.values():
+        if best is None or s.total > best.total or (
+                s.total == best.total and (s.load < best.load or (s.load == best.load and s.pod < best.pod))):
+            best = s
+    return best
 
 
 def _probe(router: Any) -> RouterProbe:
@@ -225,9 +283,13 @@ class _Traced:
 
 
 def instrument_router(router: Any, tracer_provider: trace.TracerProvider | None = None,
-                      registry: MessageRegistry = MESSAGES) -> _Traced:
-    """Process spans per delivery handled and score spans; ``close()`` removes them."""
+                      registry: MessageRegistry = MESSAGES, *, sample_every: int | None = None) -> _Traced:
+    """Process spans for the BATCH deliveries with ``seq % sample_every == 0`` (and every
+    RESET/GAP delivery) and score spans for one call in ``sample_every`` (default
+    :func:`~kvevents.telemetry.sampling.resolve_sample_every`); ``close()`` removes them."""
     probe = _probe(router)
+    probe.every = resolve_sample_every(sample_every)
+    probe.score_calls = 0
     probe.tracer = get_tracer(tracer_provider)
     probe.registry = registry
     return _Traced(probe)

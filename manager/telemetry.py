@@ -5,9 +5,28 @@
   probe (a wrapper around ``submit_*``/``get_finished*`` of the engine's transfer worker and
   of each secondary tier) records the job-latency histogram and counts bytes, promotions,
   cascades and failures;
-* :func:`instrument_engine` / :func:`instrument_manager`: a span per engine step
+* :func:`instrument_engine` / :func:`instrument_manager`: a span per sampled engine step
   (``kvevents.step``, current while the step runs, so the publisher's send span is its
-  child), a span per ``on_schedule_end``, and a span per transfer job (submit to result).
+  child), a span per ``on_schedule_end`` and per transfer job (submit to result) of a
+  sampled step.
+
+Sampling (:mod:`kvevents.telemetry.sampling`): a step is traced iff the seq it will publish is,
+``publisher.next_seq % sample_every == 0`` at step start (the engine's own published-batch
+count when its publisher has no ``next_seq``), so the step span heads the same trace as the
+batch's send, receive and process spans. A step that publishes nothing leaves the seq where
+it was, so the next step is sampled again: at most :data:`MAX_IDLE_TRACED_STEPS` such steps
+are traced in a row per seq. The ``schedule_end`` span and the transfer-job spans are made
+only inside a traced step (a job finishing in a later step is traced iff it was submitted in
+a traced one). Without an engine (:func:`instrument_manager` alone) one ``on_schedule_end``
+call in ``sample_every`` opens a traced step, which lasts until the next call. Untraced
+steps and jobs make no OpenTelemetry call.
+
+The job metrics cost per job: a counter and a dict entry at submit, plain-int counts at the
+result. The latency histogram is the expensive part (an SDK record costs 10-25 µs in place,
+about a tenth of a simulated step, per job), so it is recorded for one job in
+``job_sample_every`` per (tier, direction), counted at submit (default
+:data:`~kvevents.telemetry.sampling.DEFAULT_HISTOGRAM_SAMPLE_EVERY`); only those jobs take a
+timestamp, and their attribute dicts are built once at observe time.
 
 Everything is installed as instance attributes over the components' own methods and
 removed by ``close()``/:func:`uninstrument`: the manager's code does not change.
@@ -23,11 +42,50 @@ from opentelemetry.metrics import Meter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvevents.telemetry.instruments import Observation, get_meter, get_tracer, histogram
+from kvevents.telemetry.sampling import DEFAULT_HISTOGRAM_SAMPLE_EVERY, check_every, resolve_sample_every
 
-__all__ = ["JobProbe", "default_tier_names", "instrument_engine", "instrument_manager", "observe_engine",
-           "observe_manager", "uninstrument"]
+__all__ = ["MAX_IDLE_TRACED_STEPS", "JobProbe", "StepGate", "default_tier_names", "instrument_engine",
+           "instrument_manager", "observe_engine", "observe_manager", "uninstrument"]
 
 _PROBE = "_kvevents_job_probe"
+
+#: consecutive steps traced at one sampled seq while none of them publishes (bounds the cost
+#: of an engine that steps without events); the step that then publishes that seq is untraced
+#: and its send span starts its own trace
+MAX_IDLE_TRACED_STEPS = 16
+
+
+class StepGate:
+    """Whether the current step is traced: the flag the schedule_end and job wrappers read.
+
+    ``driven``: an engine's step wrapper sets ``traced`` (by the seq the step will publish);
+    otherwise the manager's ``on_schedule_end`` wrapper does, one call in ``every``.
+    """
+
+    __slots__ = ("every", "driven", "traced", "calls", "idle_seq", "idle")
+
+    def __init__(self, every: int, driven: bool = False) -> None:
+        self.every = every
+        self.driven = driven
+        self.traced = False
+        self.calls = 0  # on_schedule_end calls (undriven)
+        self.idle_seq = -1  # the seq at which the last traced steps published nothing
+        self.idle = 0  # how many in a row
+
+    def step_traced(self, seq: int) -> bool:
+        """An engine step starting with ``next_seq == seq``: trace it? (the seq rule, capped)"""
+        if seq % self.every:
+            return False
+        return seq != self.idle_seq or self.idle < MAX_IDLE_TRACED_STEPS
+
+    def step_done(self, seq: int, published: bool) -> None:
+        """After a traced step: count it when it published nothing."""
+        if published:
+            self.idle_seq, self.idle = -1, 0
+        elif seq == self.idle_seq:
+            self.idle += 1
+        else:
+            self.idle_seq, self.idle = seq, 1
 
 
 def default_tier_names(mgr: Any) -> list[str]:
@@ -62,7 +120,10 @@ class JobProbe:
         self.unknown_results = 0
         self.hist = None
         self.hist_attrs: dict[str, dict] = {}
+        self.hist_every = 1  #: latency timed for every hist_every-th job submitted per direction
+        self.submitted = {"store": 0, "load": 0}
         self.tracer: trace.Tracer | None = None
+        self.gate: StepGate | None = None  #: jobs get spans only while gate.traced (set with tracer)
         self.engine = ""
         self._undo: list = []
         if kind == "worker":
@@ -107,13 +168,15 @@ class JobProbe:
 
     def _start(self, job_id: int, direction: str, blocks: int) -> None:
         span = None
-        if self.tracer is not None:
+        if self.tracer is not None and self.gate.traced:
             span = self.tracer.start_span(
                 f"transfer {direction}", kind=SpanKind.INTERNAL,
                 attributes={"kvevents.transfer.direction": direction, "kvevents.tier": self.tier,
                             "kvevents.transfer.blocks": blocks, "kvevents.transfer.job_id": int(job_id),
                             "kvevents.engine": self.engine})
-        self.jobs[int(job_id)] = (time.perf_counter_ns(), direction, blocks, span)
+        n = self.submitted[direction]
+        self.submitted[direction] = n + 1
+        self.jobs[int(job_id)] = (None if n % self.hist_every else time.perf_counter_ns(), direction, blocks, span)
 
     def _done(self, job_id: int, success: bool, error: str | None) -> None:
         entry = self.jobs.pop(int(job_id), None)
@@ -127,11 +190,12 @@ class JobProbe:
             self.bytes[direction] += nbytes
         else:
             self.failures[direction] += 1
-        if self.hist is not None:
+        hist = self.hist
+        if hist is not None and t0 is not None:
             attrs = self.hist_attrs.get(direction)
             if attrs is None:
                 attrs = self.hist_attrs[direction] = {"engine": self.engine, "tier": self.tier, "direction": direction}
-            self.hist.record((time.perf_counter_ns() - t0) / 1e9, attrs)
+            hist.record((time.perf_counter_ns() - t0) / 1e9, attrs)
         if span is not None:
             span.set_attribute("kvevents.transfer.bytes", nbytes)
             span.set_attribute("kvevents.transfer.success", bool(success))
@@ -168,13 +232,17 @@ def _probes(mgr: Any, names: list[str], worker: Any = None) -> list[JobProbe]:
 
 
 def observe_manager(mgr: Any, tier_names: list[str] | None = None, meter: Meter | None = None, *,
-                    engine: str = "engine0", connector: Any = None, worker: Any = None) -> Observation:
+                    engine: str = "engine0", connector: Any = None, worker: Any = None,
+                    job_sample_every: int = DEFAULT_HISTOGRAM_SAMPLE_EVERY) -> Observation:
     """Observable instruments over a manager (a primary alone, or a TieringOffloadingManager).
 
     ``tier_names``: ``[primary, *secondary]`` (default :func:`default_tier_names`);
     ``engine``: the ``engine`` attribute; ``connector``/``worker``: the scheduler connector and
-    the transfer worker, when known (:func:`observe_engine` passes them).
+    the transfer worker, when known (:func:`observe_engine` passes them);
+    ``job_sample_every``: the job-latency histogram records every n-th job submitted per
+    (tier, direction) (1: every job; the counts of blocks, bytes and failures are exact).
     """
+    check_every(job_sample_every, "job_sample_every")
     meter = get_meter(meter)
     names = list(tier_names) if tier_names else default_tier_names(mgr)
     primary = getattr(mgr, "primary", mgr)
@@ -186,7 +254,8 @@ def observe_manager(mgr: Any, tier_names: list[str] | None = None, meter: Meter 
     probes = _probes(mgr, names, worker)
     hist = histogram(meter, "kvevents.manager.job.duration")
     for p in probes:
-        p.hist, p.engine, p.hist_attrs = hist, engine, {}
+        p.hist, p.engine, p.hist_every = hist, engine, job_sample_every
+        p.hist_attrs = {d: {"engine": engine, "tier": p.tier, "direction": d} for d in ("store", "load")}
     by_tier = {p.tier: p for p in probes if p.kind == "tier"}
 
     def pstat(key: str) -> int:
@@ -263,12 +332,13 @@ def observe_manager(mgr: Any, tier_names: list[str] | None = None, meter: Meter 
 
 
 def observe_engine(engine: Any, meter: Meter | None = None, *, name: str = "engine0",
-                   tier_names: list[str] | None = None) -> Observation:
+                   tier_names: list[str] | None = None,
+                   job_sample_every: int = DEFAULT_HISTOGRAM_SAMPLE_EVERY) -> Observation:
     """:func:`observe_manager` over ``engine.manager`` (with its connector and transfer worker)
     plus the engine's token and request counters."""
     meter = get_meter(meter)
     obs = observe_manager(engine.manager, tier_names, meter, engine=name, connector=engine.connector,
-                          worker=engine.worker)
+                          worker=engine.worker, job_sample_every=job_sample_every)
     kinds = {"computed": "computed_tokens", "gpu_hit": "gpu_hit_tokens", "offload_hit": "offload_hit_tokens"}
     ka = {k: {"engine": name, "kind": k} for k in kinds}
     ea = {"engine": name}
@@ -283,6 +353,7 @@ class _Traced:
     def __init__(self) -> None:
         self.undo: list = []
         self.probes: list[JobProbe] = []
+        self.gate: StepGate | None = None
 
     def close(self) -> None:
         for fn in reversed(self.undo):
@@ -295,18 +366,30 @@ class _Traced:
 
 
 def instrument_manager(mgr: Any, tier_names: list[str] | None = None, *, engine: str = "engine0",
-                       worker: Any = None, tracer_provider: trace.TracerProvider | None = None) -> _Traced:
-    """A span per ``on_schedule_end`` and per transfer job; ``close()`` removes them."""
+                       worker: Any = None, tracer_provider: trace.TracerProvider | None = None,
+                       sample_every: int | None = None, gate: StepGate | None = None) -> _Traced:
+    """A span per ``on_schedule_end`` and per transfer job of the traced steps; ``close()``
+    removes them. Without ``gate`` (an engine's), one ``on_schedule_end`` call in
+    ``sample_every`` starts a traced step that lasts until the next call."""
     tracer = get_tracer(tracer_provider)
     names = list(tier_names) if tier_names else default_tier_names(mgr)
+    if gate is None:
+        gate = StepGate(resolve_sample_every(sample_every))
     t = _Traced()
+    t.gate = gate
     t.probes = _probes(mgr, names, worker)
     for p in t.probes:
-        p.tracer, p.engine = tracer, engine
+        p.tracer, p.engine, p.gate = tracer, engine, gate
     orig = mgr.on_schedule_end
     jobs = getattr(mgr, "_jobs", None)
 
     def on_schedule_end():
+        if not gate.driven:
+            n = gate.calls
+            gate.calls = n + 1
+            gate.traced = n % gate.every == 0
+        if not gate.traced:
+            return orig()
         with tracer.start_as_current_span("kvevents.manager.schedule_end", kind=SpanKind.INTERNAL) as span:
             before = sum(len(p.jobs) for p in t.probes if p.kind == "tier")
             orig()
@@ -327,24 +410,38 @@ _STEP_ATTRS = ("scheduled_new", "scheduled_running", "preempted", "finished", "c
 
 
 def instrument_engine(engine: Any, *, name: str = "engine0", tier_names: list[str] | None = None,
-                      tracer_provider: trace.TracerProvider | None = None) -> _Traced:
-    """A span ``kvevents.step`` per ``engine.step()`` (current while it runs: the connector's
-    ``on_schedule_end`` span, the transfer-job spans and the publisher's send span are its
-    children) with the step's figures (jobs flushed, jobs, events); ``close()`` removes it."""
+                      tracer_provider: trace.TracerProvider | None = None,
+                      sample_every: int | None = None) -> _Traced:
+    """A span ``kvevents.step`` per traced ``engine.step()`` (current while it runs: the
+    connector's ``on_schedule_end`` span, the transfer-job spans and the publisher's send span
+    are its children) with the step's figures (jobs flushed, jobs, events); a step is traced
+    iff ``publisher.next_seq % sample_every == 0`` at its start. ``close()`` removes it."""
     tracer = get_tracer(tracer_provider)
+    gate = StepGate(resolve_sample_every(sample_every), driven=True)
     t = instrument_manager(engine.manager, tier_names, engine=name, worker=engine.worker,
-                           tracer_provider=tracer_provider)
+                           tracer_provider=tracer_provider, gate=gate)
     orig = engine.step
 
     def step():
-        with tracer.start_as_current_span("kvevents.step", kind=SpanKind.INTERNAL) as span:
-            st = orig()
-            if span.is_recording():
-                span.set_attribute("kvevents.engine", name)
-                span.set_attribute("kvevents.step", st.step)
-                for a in _STEP_ATTRS:
-                    span.set_attribute(f"kvevents.step.{a}", getattr(st, a))
-            return st
+        pub = engine.publisher
+        seq = getattr(pub, "next_seq", None)
+        if seq is None:  # no publisher, or one without a seq: the engine's own count
+            seq = engine.batches_published
+        if seq % gate.every or not gate.step_traced(seq):
+            return orig()
+        gate.traced = True
+        try:
+            with tracer.start_as_current_span("kvevents.step", kind=SpanKind.INTERNAL) as span:
+                st = orig()
+                if span.is_recording():
+                    span.set_attribute("kvevents.engine", name)
+                    span.set_attribute("kvevents.step", st.step)
+                    for a in _STEP_ATTRS:
+                        span.set_attribute(f"kvevents.step.{a}", getattr(st, a))
+        finally:
+            gate.traced = False
+        gate.step_done(seq, st.published)
+        return st
 
     _patch(engine, "step", step, t.undo)
     return t

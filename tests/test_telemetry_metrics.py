@@ -59,8 +59,8 @@ def run_workload(engine, sub, router, n: int = 12) -> list:
     for i in range(2):  # the first prefixes again: promotions from the fs tier
         engine.add_request(f"again{i}", [i * 1000 + t for t in range(17)], max_new_tokens=2)
     engine.run_until_idle()
-    want = engine.batches_published
-    got = collect(sub, lambda g: sum(d.kind is DeliveryKind.BATCH for d in g) >= want)
+    last = engine.publisher.next_seq - 1  # counting deliveries would count late wait_connected probes too
+    got = collect(sub, lambda g: any(d.kind is DeliveryKind.BATCH and d.seq == last for d in g))
     for d in got:
         router.handle(d)
     return got
@@ -71,8 +71,9 @@ def test_metrics_reflect_the_counters(stack):
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])
     meter = provider.get_meter("kvevents")
-    observations = [observe_publisher(pub, meter, name="pod0"), observe_subscriber(sub, meter),
-                    observe_engine(engine, meter, name="e0"), observe_router(router, meter, refresh_interval=0)]
+    observations = [observe_publisher(pub, meter, name="pod0"), observe_subscriber(sub, meter, lag_sample_every=1),
+                    observe_engine(engine, meter, name="e0", job_sample_every=1),
+                    observe_router(router, meter, refresh_interval=0)]
     got = run_workload(engine, sub, router)
     router.pick([t for t in range(17)])
     router.pick([5, 6, 7, 8, 9])
@@ -136,7 +137,8 @@ def test_prometheus_endpoint_serves_the_catalogue_names(stack):
     handle = setup(prometheus_port=0, otlp=False, set_global=False, service_name="kvevents-test")
     try:
         meter = handle.meter()
-        obs = [observe_publisher(pub, meter), observe_subscriber(sub, meter), observe_engine(engine, meter),
+        obs = [observe_publisher(pub, meter), observe_subscriber(sub, meter, lag_sample_every=1),
+               observe_engine(engine, meter),
                observe_router(router, meter, refresh_interval=0)]
         run_workload(engine, sub, router, n=10)
         router.pick(list(range(17)))

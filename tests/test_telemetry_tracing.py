@@ -36,11 +36,10 @@ def pipeline():
 
 
 def _drive(engine, sub, router, req: str, tokens: list[int]) -> list:
-    before = engine.batches_published
     engine.add_request(req, tokens, max_new_tokens=2)
     engine.run_until_idle()
-    want = engine.batches_published - before
-    got = collect(sub, lambda g: sum(d.kind is DeliveryKind.BATCH for d in g) >= want)
+    last = engine.publisher.next_seq - 1  # not a count: late wait_connected probes would count too
+    got = collect(sub, lambda g: any(d.kind is DeliveryKind.BATCH and d.seq == last for d in g))
     for d in got:
         router.handle(d)
     return got
@@ -51,10 +50,10 @@ def test_one_batch_from_step_to_router(pipeline):
     exporter = InMemorySpanExporter()
     tp = TracerProvider()
     tp.add_span_processor(SimpleSpanProcessor(exporter))
-    t_engine = instrument_engine(engine, name="e0", tracer_provider=tp)
-    instrument_publisher(pub, tracer_provider=tp)
-    instrument_subscriber(sub, tracer_provider=tp)
-    t_router = instrument_router(router, tracer_provider=tp)
+    t_engine = instrument_engine(engine, name="e0", tracer_provider=tp, sample_every=1)
+    instrument_publisher(pub, tracer_provider=tp, sample_every=1)
+    instrument_subscriber(sub, tracer_provider=tp, sample_every=1)
+    t_router = instrument_router(router, tracer_provider=tp, sample_every=1)
 
     tokens = list(range(17))
     _drive(engine, sub, router, "r0", tokens)
@@ -147,8 +146,8 @@ def test_gap_recovery_and_replay_spans():
         nxt = wait_connected(pub, sub)
         drop.clear()
         drop.add(nxt + 1)
-        instrument_publisher(pub, tracer_provider=tp)
-        instrument_subscriber(sub, tracer_provider=tp)
+        instrument_publisher(pub, tracer_provider=tp, sample_every=1)
+        instrument_subscriber(sub, tracer_provider=tp, sample_every=1)
         from tests.pubsub_helpers import batch
         for i in range(3):
             pub.publish(batch(i))

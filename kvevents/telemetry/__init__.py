@@ -7,6 +7,12 @@ a provider); :func:`setup` configures the SDK (Prometheus port, OTLP).
   ``manager.telemetry.observe_engine/observe_manager``, ``consumers.telemetry.observe_router``;
 * spans: ``instrument_publisher(pub)``, ``instrument_subscriber(sub)`` (here),
   ``manager.telemetry.instrument_engine/instrument_manager``, ``consumers.telemetry.instrument_router``.
+
+Spans are sampled by sequence number before any OpenTelemetry call (:mod:`.sampling`): a batch
+is traced iff ``seq % sample_every == 0`` (default 1024, ``$KVEVENTS_TRACE_SAMPLE_EVERY``), so
+the engine step, publisher, subscriber and router trace the same batches, in any process;
+gap recovery, replays served, resets and gaps are always traced. The two per-item histograms
+(subscriber lag, manager job latency) record one item in 32 the same way.
 """
 
 from .catalog import CATALOG, MetricSpec, render_markdown_table

@@ -115,7 +115,8 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Malformed input by kind: frames, seq, payload, replay (publisher \"(bind)\": shared bind-mode socket).",
        _S + ("kind",), "subscriber", "health()[p].malformed[kind]", "kvevents_subscriber_malformed_total"),
     _m("kvevents.subscriber.lag", HISTOGRAM, "s",
-       "Receive time minus the batch's ts, per delivered batch (replayed batches included).",
+       "Receive time minus the batch's ts, of the delivered batches with seq % N == 0 (N = lag_sample_every, "
+       "default 32; replayed included).",
        _S, "subscriber", "Subscriber.hooks.on_deliveries (per poll)", "kvevents_subscriber_lag_seconds", LATENCY_BUCKETS),
     _m("kvevents.subscriber.health", GAUGE, "1",
        "1 for the publisher's current state (SYNCED, RECOVERING, STALE), 0 for the others.",

@@ -3,11 +3,16 @@
 Hook objects are installed on a component's ``hooks`` attribute (``None`` by default, so an
 uninstrumented component pays one ``is None`` check per batch):
 
-* publisher: ``send <topic>`` (PRODUCER) per batch, parent = the context current when
-  ``publish()`` was called (a manager's step span, say); ``replay <topic>`` per replay served;
-* subscriber: ``receive <topic>`` (CONSUMER) per batch, parent = the publisher's send span
-  when it ran in this process (found by message id in :data:`MESSAGES`), with a link to it;
-  ``gap-recovery <publisher>`` from a replay request to its end; the lag histogram.
+* publisher: ``send <topic>`` (PRODUCER) per sampled batch, parent = the context current when
+  ``publish()`` was called (a manager's step span, say); ``replay <topic>`` per replay served
+  (always);
+* subscriber: ``receive <topic>`` (CONSUMER) per sampled batch, parent = the publisher's send
+  span when it ran in this process (found by message id in :data:`MESSAGES`), with a link to
+  it; ``gap-recovery <publisher>`` from a replay request to its end (always); the lag histogram.
+
+Sampling (:mod:`kvevents.telemetry.sampling`): a batch is traced iff ``seq % sample_every == 0``,
+decided here before any OpenTelemetry call, so every process traces the same batches and an
+untraced batch costs one modulo (no span, no context capture, no registry entry).
 
 Attributes follow the messaging semantic conventions: ``messaging.system`` = ``zeromq``,
 ``messaging.operation.type``/``.name``, ``messaging.destination.name`` = topic,
@@ -27,6 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, SpanKind, Status, StatusCode
 
 from .instruments import get_tracer
+from .sampling import resolve_sample_every
 
 __all__ = ["MESSAGES", "MessageRegistry", "PublisherHooks", "SubscriberHooks", "message_id",
            "instrument_publisher", "instrument_subscriber", "uninstrument"]
@@ -92,8 +98,9 @@ class PublisherHooks:
     """Installed on ``ZmqEventPublisher.hooks`` by :func:`instrument_publisher`."""
 
     def __init__(self, publisher: Any, tracer: trace.Tracer, registry: MessageRegistry = MESSAGES,
-                 max_pending: int = 4096) -> None:
+                 max_pending: int = 4096, sample_every: int | None = None) -> None:
         self.publisher = publisher
+        self.every = resolve_sample_every(sample_every)  #: a batch is traced iff seq % every == 0
         self.tracer = tracer
         self.registry = registry
         self.pending = _Bounded(max_pending)  # seq -> context current at publish()
@@ -105,11 +112,15 @@ class PublisherHooks:
             t = self._topics[topic] = topic.decode(errors="replace")
         return t
 
-    # called under the publisher's queue lock: keep it a dict store
+    # called under the publisher's queue lock: keep it a modulo (and, if sampled, a dict store)
     def on_enqueue(self, seq: int) -> None:
+        if seq % self.every:
+            return
         self.pending.put(seq, otel_context.get_current())
 
     def before_send(self, seq: int, topic: bytes):
+        if seq % self.every:
+            return None  # untraced: after_send gets None and returns at once
         t = self._topic(topic)
         mid = message_id(t, seq)
         span = self.tracer.start_span(
@@ -124,10 +135,10 @@ class PublisherHooks:
         if span is None:
             return
         if span.is_recording():
-            span.set_attribute("messaging.message.body.size", len(payload))
+            attrs = {"messaging.message.body.size": len(payload), "kvevents.outcome": outcome}
             if type(item) is not bytes:
-                span.set_attribute("messaging.batch.message_count", len(item.events))
-            span.set_attribute("kvevents.outcome", outcome)
+                attrs["messaging.batch.message_count"] = len(item.events)
+            span.set_attributes(attrs)  # one call: one lock, one validation pass
             if outcome in ("send_error", "encode_error"):
                 span.set_status(Status(StatusCode.ERROR, outcome))
         span.end()
@@ -150,7 +161,9 @@ class SubscriberHooks:
         self.subscriber = subscriber
         self.registry = registry
         self.tracer: trace.Tracer | None = None
+        self.every = 1  #: set by instrument_subscriber: a batch is traced iff seq % every == 0
         self.lag = None  # a histogram
+        self.lag_every = 1  #: lag recorded for the batches with seq % lag_every == 0
         self.lag_attrs: dict[str, dict] = {}
         self.lag_extra: dict[str, str] = {}
         self.recoveries: dict[str, list] = {}  # publisher -> [span, replayed batches]
@@ -158,8 +171,12 @@ class SubscriberHooks:
 
     def on_receive(self, publisher: str, topic: str, seq: int, batch: Any, nbytes: int, t0: int,
                    replayed: bool) -> None:
+        if replayed:  # counted for the gap-recovery span, sampled or not
+            rec = self.recoveries.get(publisher)
+            if rec is not None:
+                rec[1] += 1
         tracer = self.tracer
-        if tracer is None:
+        if tracer is None or seq % self.every:
             return
         mid = message_id(topic, seq)
         parent = self.registry.parent_of_receive(mid)
@@ -176,10 +193,6 @@ class SubscriberHooks:
         if batch is None:
             span.set_status(Status(StatusCode.ERROR, "undecodable payload"))
         self.registry.received.put(mid, span.get_span_context())
-        if replayed:
-            rec = self.recoveries.get(publisher)
-            if rec is not None:
-                rec[1] += 1
         span.end()
 
     def on_deliveries(self, out: list) -> None:
@@ -187,7 +200,10 @@ class SubscriberHooks:
         if lag is None:
             return
         attrs = self.lag_attrs
+        every = self.lag_every
         for d in out:
+            if d.seq % every:
+                continue
             b = d.batch
             if b is not None:
                 a = attrs.get(d.publisher)
@@ -231,20 +247,25 @@ def subscriber_hooks(sub: Any) -> SubscriberHooks:
 
 
 def instrument_publisher(pub: Any, tracer_provider: trace.TracerProvider | None = None,
-                         registry: MessageRegistry = MESSAGES) -> PublisherHooks:
-    """Per-batch send spans (and replay spans) on a ``ZmqEventPublisher``; undo with :func:`uninstrument`."""
+                         registry: MessageRegistry = MESSAGES, *, sample_every: int | None = None) -> PublisherHooks:
+    """Send spans for the batches with ``seq % sample_every == 0`` (default
+    :func:`~kvevents.telemetry.sampling.resolve_sample_every`) and a span per replay served,
+    on a ``ZmqEventPublisher``; undo with :func:`uninstrument`."""
     if not hasattr(pub, "hooks"):
         raise TypeError(f"{type(pub).__name__} has no hooks attribute: not a ZmqEventPublisher?")
-    h = PublisherHooks(pub, get_tracer(tracer_provider), registry)
+    h = PublisherHooks(pub, get_tracer(tracer_provider), registry, sample_every=sample_every)
     pub.hooks = h
     return h
 
 
-def instrument_subscriber(sub: Any, tracer_provider: trace.TracerProvider | None = None) -> SubscriberHooks:
-    """Per-batch receive spans and gap-recovery spans on a ``kvevents.Subscriber``."""
+def instrument_subscriber(sub: Any, tracer_provider: trace.TracerProvider | None = None, *,
+                          sample_every: int | None = None) -> SubscriberHooks:
+    """Receive spans for the batches with ``seq % sample_every == 0`` (the publisher's rule:
+    the same batches) and a span per gap recovery, on a ``kvevents.Subscriber``."""
     if not hasattr(sub, "hooks"):
         raise TypeError(f"{type(sub).__name__} has no hooks attribute: not a kvevents.Subscriber?")
     h = subscriber_hooks(sub)
+    h.every = resolve_sample_every(sample_every)
     h.tracer = get_tracer(tracer_provider)
     return h
 

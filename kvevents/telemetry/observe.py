@@ -1,4 +1,9 @@
-"""Metrics of the publisher and the subscriber, read from their plain-int counters."""
+"""Metrics of the publisher and the subscriber, read from their plain-int counters.
+
+Nothing here runs per batch except the subscriber's lag histogram, recorded for one batch in
+``lag_sample_every`` (by seq, :data:`~kvevents.telemetry.sampling.DEFAULT_HISTOGRAM_SAMPLE_EVERY`):
+an SDK histogram record costs a good part of a batch's receive+decode.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from opentelemetry.metrics import Meter
 from ..delivery import HealthState
 from .instruments import Observation, get_meter, histogram
 from .messaging import subscriber_hooks
+from .sampling import DEFAULT_HISTOGRAM_SAMPLE_EVERY, check_every
 
 __all__ = ["observe_publisher", "observe_subscriber"]
 
@@ -69,10 +75,12 @@ def observe_publisher(pub: Any, meter: Meter | None = None, *, name: str | None 
     return obs
 
 
-def observe_subscriber(sub: Any, meter: Meter | None = None, *,
-                       attributes: dict[str, str] | None = None) -> Observation:
-    """Observable instruments over ``sub.health()`` per publisher, and the lag histogram
-    (recorded per delivered batch through the subscriber's hook)."""
+def observe_subscriber(sub: Any, meter: Meter | None = None, *, attributes: dict[str, str] | None = None,
+                       lag_sample_every: int = DEFAULT_HISTOGRAM_SAMPLE_EVERY) -> Observation:
+    """Observable instruments over ``sub.health()`` per publisher, and the lag histogram,
+    recorded through the subscriber's hook for the delivered batches with
+    ``seq % lag_sample_every == 0`` (1: every batch; see :mod:`kvevents.telemetry.sampling`)."""
+    check_every(lag_sample_every, "lag_sample_every")
     meter = get_meter(meter)
     extra = dict(attributes or {})
     obs = Observation(sub)
@@ -109,6 +117,7 @@ def observe_subscriber(sub: Any, meter: Meter | None = None, *,
     obs.add(meter, "kvevents.subscriber.health", health)
     hooks = subscriber_hooks(sub)
     hooks.lag = histogram(meter, "kvevents.subscriber.lag")
+    hooks.lag_every = lag_sample_every
     hooks.lag_attrs = {}
     hooks.lag_extra = extra
 
