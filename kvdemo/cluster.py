@@ -74,6 +74,8 @@ def add_subcommand(subparsers) -> None:
                    help="serve Prometheus metrics on this port (127.0.0.1; 0 picks a free one)")
     p.add_argument("--prometheus-host", default="127.0.0.1", metavar="HOST",
                    help="address the Prometheus endpoint binds (default 127.0.0.1)")
+    p.add_argument("--trace-sample-every", type=_positive_int, default=16, metavar="N",
+                   help="with --otlp: trace the batches whose seq is a multiple of N, end to end (default 16)")
     p.add_argument("--otlp", nargs="?", const="", default=None, metavar="ENDPOINT",
                    help="export traces and metrics over OTLP (to ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT)")
     p.add_argument("--record", default=None, metavar="FILE",
@@ -91,5 +93,6 @@ def main(args: argparse.Namespace) -> int:
 
     opts = DemoOptions(duration=args.duration, engines=args.engines, prometheus_port=args.prometheus_port,
                        prometheus_host=args.prometheus_host, otlp=args.otlp, record=args.record,
-                       drop_rate=args.drop_rate, seed=args.seed, baseline=not args.no_baseline)
+                       drop_rate=args.drop_rate, seed=args.seed, baseline=not args.no_baseline,
+                       trace_sample_every=args.trace_sample_every)
     return run_demo(opts, out=sys.stdout)

@@ -53,7 +53,7 @@ class Telemetry:
                             prometheus_addr=host, metric_export_interval_ms=2000)
         self.spans = self.handle.tracer_provider is not None
 
-    def instrument(self, run: "DemoRun") -> None:
+    def instrument(self, run: "DemoRun", sample_every: int = 16) -> None:
         if self.handle is None:
             return
         from consumers.telemetry import instrument_router, observe_router
@@ -72,12 +72,13 @@ class Telemetry:
 
             tp = self.handle.tracer_provider
             for n in run.nodes:
-                instrument_publisher(n.publisher, tp)
+                instrument_publisher(n.publisher, tp, sample_every=sample_every)
                 self.traced.append(lambda pub=n.publisher: uninstrument(pub))
-                self.traced.append(instrument_engine(n.engine, name=n.name, tracer_provider=tp).close)
-            instrument_subscriber(run.sub, tp)
+                self.traced.append(instrument_engine(n.engine, name=n.name, tracer_provider=tp,
+                                                     sample_every=sample_every).close)
+            instrument_subscriber(run.sub, tp, sample_every=sample_every)
             self.traced.append(lambda sub=run.sub: uninstrument(sub))
-            self.traced.append(instrument_router(run.router, tp).close)
+            self.traced.append(instrument_router(run.router, tp, sample_every=sample_every).close)
 
     def describe(self) -> list[str]:
         if self.handle is None:

@@ -41,6 +41,9 @@ class DemoOptions:
     prometheus_port: int | None = None
     prometheus_host: str = "127.0.0.1"
     otlp: str | None = None
+    #: trace one batch in N (by seq, so every stage traces the same batches); the demo's rates
+    #: are low enough that 1 in 16 costs little and still gives traces every second
+    trace_sample_every: int = 16
     record: str | None = None
     drop_rate: float = 0.01
     seed: int = 0
@@ -138,7 +141,7 @@ class DemoRun:
         dead = [name for name, ok in self.sub.probe_replay(2.0).items() if not ok]
         if dead:
             raise RuntimeError(f"replay sockets of {dead} did not answer within 2 s")
-        self.telemetry.instrument(self)
+        self.telemetry.instrument(self, self.opts.trace_sample_every)
 
     def _record_loop(self) -> None:
         rec = self.recorder
