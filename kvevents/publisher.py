@@ -41,6 +41,7 @@ from .publisher_base import EventPublisher, ShutdownReport
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SNDMORE = zmq.SNDMORE
+_yield_gil = time.sleep
 OVERFLOW_POLICIES = ("replay_only", "drop_oldest")
 
 
@@ -314,6 +315,9 @@ class ZmqEventPublisher(EventPublisher):
                     if len(kept) >= 32:  # bound how far the ring lags the live socket
                         ring.extend(kept)
                         kept = []
+                        # hand the GIL over: the engine thread calling publish() must never wait
+                        # a whole switch interval (5 ms) behind this loop
+                        _yield_gil(0)
                     if drop is not None and drop(seq):
                         stats.live_dropped += 1
                         if hooks is not None:
