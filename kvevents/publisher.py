@@ -157,6 +157,9 @@ class ZmqEventPublisher(EventPublisher):
         self._replay_burst = replay_burst
         self._drop_live = drop_live
         #: telemetry hook object (installed by kvevents.telemetry; None: the cost is one check)
+        #: telemetry hook point (kvevents.telemetry installs it): ``on_enqueue``, ``before_send`` and
+        #: ``after_send`` are called only for the batches whose seq is a multiple of ``hooks.every``
+        #: (trace sampling by seq), ``on_replay`` for every replay served
         self.hooks = None
 
         self._lock = threading.Lock()
@@ -241,8 +244,9 @@ class ZmqEventPublisher(EventPublisher):
                 else:
                     self._stats.overflow_lost += 1
             q.append((seq, item, topic or self._topic_bytes))
-            if self.hooks is not None:
-                self.hooks.on_enqueue(seq)
+            hooks = self.hooks
+            if hooks is not None and not seq % hooks.every:
+                hooks.on_enqueue(seq)
             if self._idle.is_set():
                 self._idle.clear()
                 self._wake.set()
@@ -292,6 +296,7 @@ class ZmqEventPublisher(EventPublisher):
                 ring.extend([e for e in encoded if e[2] is not None])
             self._inflight = live
             hooks = self.hooks
+            every = hooks.every if hooks is not None else 0
             token = None
             drop = self._drop_live
             send = pub.send
@@ -304,11 +309,12 @@ class ZmqEventPublisher(EventPublisher):
                             self._queue.extendleft(reversed(live[i:]))
                             self._inflight = []
                         return
-                    if hooks is not None:
+                    traced = every and not seq % every  # per-batch hooks only for sampled seqs
+                    if traced:
                         token = hooks.before_send(seq, topic)
                     payload = self._encode(item)
                     if payload is None:
-                        if hooks is not None:
+                        if traced:
                             hooks.after_send(token, seq, b"", item, "encode_error")
                         continue
                     kept.append((seq, topic, payload))
@@ -320,7 +326,7 @@ class ZmqEventPublisher(EventPublisher):
                         _yield_gil(0)
                     if drop is not None and drop(seq):
                         stats.live_dropped += 1
-                        if hooks is not None:
+                        if traced:
                             hooks.after_send(token, seq, payload, item, "dropped")
                         continue
                     try:
@@ -330,14 +336,14 @@ class ZmqEventPublisher(EventPublisher):
                         send(payload)
                     except zmq.ZMQError:
                         stats.send_errors += 1
-                        if hooks is not None:
+                        if traced:
                             hooks.after_send(token, seq, payload, item, "send_error")
                     else:
                         stats.batches_published += 1
                         stats.bytes_published += len(payload)
                         if type(item) is not bytes:
                             stats.events_published += len(item.events)
-                        if hooks is not None:
+                        if traced:
                             hooks.after_send(token, seq, payload, item, "sent")
             finally:
                 ring.extend(kept)

@@ -161,7 +161,9 @@ class SubscriberHooks:
         self.subscriber = subscriber
         self.registry = registry
         self.tracer: trace.Tracer | None = None
-        self.every = 1  #: set by instrument_subscriber: a batch is traced iff seq % every == 0
+        #: set by instrument_subscriber: a batch is traced iff seq % every == 0; until then (lag
+        #: histogram only) live receives do not call on_receive at all (seq 0 aside)
+        self.every = 1 << 62
         self.lag = None  # a histogram
         self.lag_every = 1  #: lag recorded for the batches with seq % lag_every == 0
         self.lag_attrs: dict[str, dict] = {}
