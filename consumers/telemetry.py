@@ -29,7 +29,7 @@ from opentelemetry.metrics import Meter
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from kvevents.delivery import DeliveryKind
-from kvevents.telemetry.instruments import Observation, get_meter, get_tracer
+from kvevents.telemetry.instruments import Observation, attribute_cache, get_meter, get_tracer
 from kvevents.telemetry.messaging import MESSAGES, SYSTEM, MessageRegistry, message_id
 from kvevents.telemetry.sampling import resolve_sample_every
 
@@ -235,14 +235,7 @@ def observe_router(router: Any, meter: Meter | None = None, *, refresh_interval:
     stats = router.stats
     base = dict(extra)
     scan = _IndexScan(router, refresh_interval)
-    cache: dict[tuple, dict] = {}
-
-    def a(**kv) -> dict:
-        key = tuple(kv.items())
-        d = cache.get(key)
-        if d is None:
-            d = cache[key] = {**kv, **extra}
-        return d
+    a = attribute_cache(extra)
 
     def simple(fn):
         return lambda: [(fn(), base)]

@@ -69,19 +69,22 @@ def run(duration: float = 5.0, drop_rate: float = 0.01, rate: float = 2000.0, ou
     producer = threading.Thread(target=produce, name="demo-producer", daemon=True)
     print(f"kvevents demo: publisher -> subscriber on {ENDPOINT} (replay {REPLAY_ENDPOINT}), "
           f"{duration:g}s, {drop_rate:.1%} of live batches dropped on purpose to show replay healing", file=out)
-    received = [0, 0]
-    gaps_lost = 0
+    received = [0, 0, 0]  # batches, events, batches reported lost
+
+    def take(timeout_ms: int) -> None:
+        for d in sub.poll(timeout_ms):
+            if d.kind is DeliveryKind.BATCH:
+                received[0] += 1
+                received[1] += len(d.batch.events)
+            elif d.kind is DeliveryKind.GAP:
+                received[2] += d.missed
+
     start = time.monotonic()
     last_print = start
     producer.start()
     try:
         while True:
-            for d in sub.poll(50):
-                if d.kind is DeliveryKind.BATCH:
-                    received[0] += 1
-                    received[1] += len(d.batch.events)
-                elif d.kind is DeliveryKind.GAP:
-                    gaps_lost += d.missed
+            take(50)
             now = time.monotonic()
             if now - last_print >= 0.5 or now - start >= duration:
                 h = sub.health()["demo-pod"]
@@ -97,18 +100,13 @@ def run(duration: float = 5.0, drop_rate: float = 0.01, rate: float = 2000.0, ou
         producer.join()
     # let the tail arrive: what was published must be received or reported lost
     deadline = time.monotonic() + 5.0
-    while received[0] + gaps_lost < published[0] and time.monotonic() < deadline:
-        for d in sub.poll(50):
-            if d.kind is DeliveryKind.BATCH:
-                received[0] += 1
-                received[1] += len(d.batch.events)
-            elif d.kind is DeliveryKind.GAP:
-                gaps_lost += d.missed
+    while received[0] + received[2] < published[0] and time.monotonic() < deadline:
+        take(50)
     report = pub.shutdown(timeout=1.0)
     h = sub.health()["demo-pod"]
     ps = pub.stats()
     sub.close()
-    silent = published[0] - received[0] - gaps_lost
+    silent = published[0] - received[0] - received[2]
     print(f"summary: published {published[0]} batches / {published[1]} events; received {received[0]} / "
           f"{received[1]}; live drops injected {ps['live_dropped']}, gaps {h.gaps}, healed by replay "
           f"{h.recovered}, reported lost {h.unrecoverable}; silently lost {silent}; "

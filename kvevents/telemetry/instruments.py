@@ -72,6 +72,21 @@ _meters: dict[int, Meter] = {}  # keeps the meters whose id() keys the tables al
 _next_id = 0
 
 
+def attribute_cache(extra: dict[str, Any]) -> Callable[..., dict]:
+    """``a(publisher="x")`` -> the same attribute dict each time (``extra`` merged in): the
+    SDK is handed one dict per series instead of a fresh one per observation."""
+    cache: dict[tuple, dict] = {}
+
+    def a(**kv: Any) -> dict:
+        key = tuple(kv.items())
+        d = cache.get(key)
+        if d is None:
+            d = cache[key] = {**kv, **extra}
+        return d
+
+    return a
+
+
 def _key(meter: Meter, name: str) -> tuple[int, str]:
     _meters[id(meter)] = meter
     return id(meter), name

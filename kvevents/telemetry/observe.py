@@ -12,7 +12,7 @@ from typing import Any
 from opentelemetry.metrics import Meter
 
 from ..delivery import HealthState
-from .instruments import Observation, get_meter, histogram
+from .instruments import Observation, attribute_cache, get_meter, histogram
 from .messaging import subscriber_hooks
 from .sampling import DEFAULT_HISTOGRAM_SAMPLE_EVERY, check_every
 
@@ -84,14 +84,7 @@ def observe_subscriber(sub: Any, meter: Meter | None = None, *, attributes: dict
     meter = get_meter(meter)
     extra = dict(attributes or {})
     obs = Observation(sub)
-    cache: dict[tuple, dict] = {}
-
-    def a(**kv) -> dict:
-        key = tuple(kv.items())
-        d = cache.get(key)
-        if d is None:
-            d = cache[key] = {**kv, **extra}
-        return d
+    a = attribute_cache(extra)
 
     def reader(field: str):
         return lambda: [(getattr(h, field), a(publisher=p)) for p, h in sub.health().items()]
