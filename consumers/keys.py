@@ -19,6 +19,10 @@ where a full 64-bit hash takes three (36 bytes), and the index holds ~1M of them
 collision between two of 1M distinct prefixes has probability ~1e-6 over the whole index.
 Numpy was measured for this and lost: converting 4,096 token ids to an array costs more
 (~90-110 us) than the whole tuple-hash chain (~50-70 us), see ``benchmarks/router.py``.
+Decoding ``token_ids`` as raw msgpack (``msgspec.Raw``) and hashing bytes was measured too:
+splitting the raw int array into 16-token blocks (regex or numpy) costs as much as the int
+decode plus the tuple hashes it replaces (1.03-1.33x end to end), and ``hash(bytes)`` is
+randomised per process.
 
 Only full canonical blocks get a key; a prompt's trailing partial block is never matched.
 """
