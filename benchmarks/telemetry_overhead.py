@@ -66,6 +66,12 @@ _n = 0
 TOPIC = "kv@pod0@bench"
 TARGET = 5.0  # percent
 
+# --instructions (see benchmarks/_telemetry_instr.py): the child process under callgrind sets
+# these; the timing mode leaves them as they are (no region marks, the same waits).
+_REGION = None  # _callgrind.Region marking each _Clock'd part
+_INSTR = False  # publisher: wait for the sends by joining the sender (shutdown), not by polling
+_SETTLE = 1.0  # subscriber: factor on the settle sleep before its timed part (valgrind is slow)
+
 
 def ipc() -> tuple[str, str]:
     global _n
@@ -96,12 +102,12 @@ class Mode:
     """One configuration of the SDK, set up once per benchmark (as an application would: a
     fresh provider per run would charge its first-span set-up to a few thousand batches)."""
 
-    def __init__(self, name: str, metrics: bool, every: int | None) -> None:
+    def __init__(self, name: str, metrics: bool, every: int | None, export_interval_millis: float = 500) -> None:
         self.name = name
         self.mp = None
         self.meter = None
         if metrics:
-            reader = PeriodicExportingMetricReader(_DiscardMetrics(), export_interval_millis=500)
+            reader = PeriodicExportingMetricReader(_DiscardMetrics(), export_interval_millis=export_interval_millis)
             self.mp = MeterProvider(metric_readers=[reader])
             self.meter = self.mp.get_meter("kvevents")
         self.every = every
@@ -158,14 +164,19 @@ class _Clock:
 
     def __enter__(self):
         gc.collect()
+        if _REGION is not None:
+            _REGION.start()
         self.cpu0, self.wall0 = time.process_time(), time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         self.cpu = time.process_time() - self.cpu0
         self.wall = time.perf_counter() - self.wall0
+        if _REGION is not None:
+            _REGION.stop(self)
 
     def per(self, n: int) -> tuple[float, float]:
+        self.n = n
         return self.cpu / max(1, n) * 1e6, self.wall / max(1, n) * 1e6
 
 
@@ -183,6 +194,10 @@ def bench_publisher(mode: Mode, n: int) -> tuple[float, float]:
     with _Clock() as c:
         for b in batches:
             pub.publish(b)
+        if _INSTR:  # polling would count a wall-time-dependent number of stats() calls
+            pub.shutdown(timeout=3600.0)
+            if pub.stats()["batches_published"] < n:
+                raise RuntimeError(f"publisher sent {pub.stats()['batches_published']} of {n} batches")
         while pub.stats()["batches_published"] < n:
             time.sleep(0.0005)
     mode.done()
@@ -207,7 +222,7 @@ def bench_subscriber(mode: Mode, n: int) -> tuple[float, float]:
     time.sleep(0.2)  # let the new SUB connect (setup only, outside the timed part)
     for i, p in enumerate(payloads):
         raw.send_multipart((TOPIC.encode(), i.to_bytes(8, "big"), p))
-    time.sleep(0.1 + n * 2e-6)  # let ZeroMQ's I/O thread move them all into the SUB's queue
+    time.sleep((0.1 + n * 2e-6) * _SETTLE)  # let ZeroMQ's I/O thread move them all into the SUB's queue
     got = 0
     with _Clock() as c:
         t0 = time.perf_counter()
@@ -296,7 +311,15 @@ def main() -> None:
     ap.add_argument("--sample-every", type=int, default=DEFAULT_SAMPLE_EVERY)
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}")
     ap.add_argument("--no-every-batch", action="store_true", help="skip the informational traces 1/1 mode")
+    ap.add_argument("--instructions", action="store_true",
+                    help="deterministic mode: instructions per operation under valgrind --tool=callgrind "
+                         "(default n 100, engine requests 8; --repeats ignored)")
+    ap.add_argument("--instr-timeout", type=float, default=180.0, help="seconds per callgrind child (--instructions)")
+    ap.add_argument("--instr-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.instructions or args.instr_child:
+        from benchmarks import _telemetry_instr
+        return _telemetry_instr.main(args, ap, sys.modules[__name__])
     n = args.n or (1000 if args.quick else 5000)
     n_req = args.engine_requests or (32 if args.quick else 256)
     repeats = 3 if args.quick else args.repeats

@@ -326,6 +326,7 @@ class KVRouter(IngestMixin):
         n_keys = len(keys)
         lw = self._cfg.load_weight
         out: dict[str, Score] = {}
+        top: Score | None = None  # what pick() would choose: the counters below follow it
         for ep, state, factor in eps:
             if factor <= 0:
                 continue
@@ -336,7 +337,10 @@ class KVRouter(IngestMixin):
                 total = -lw * pod_load
                 best = out.get(pod)
                 if best is None or total > best.total:
-                    out[pod] = Score(pod, total, {}, 0, ep.rank, state, factor, pod_load)
+                    out[pod] = s = Score(pod, total, {}, 0, ep.rank, state, factor, pod_load)
+                    if top is None or total > top.total or (total == top.total and (
+                            pod_load < top.load or (pod_load == top.load and pod < top.pod))):
+                        top = s
                 continue
             by_tier: dict[str, int] = {}
             weighted = 0.0
@@ -350,7 +354,17 @@ class KVRouter(IngestMixin):
             total = factor * weighted / n_tokens - lw * pod_load
             best = out.get(pod)
             if best is None or total > best.total:
-                out[pod] = Score(pod, total, by_tier, end * C, ep.rank, state, factor, pod_load)
+                out[pod] = s = Score(pod, total, by_tier, end * C, ep.rank, state, factor, pod_load)
+                if top is None or total > top.total or (total == top.total and (
+                        pod_load < top.load or (pod_load == top.load and pod < top.pod))):
+                    top = s
+        stats = self.stats
+        stats.lookups += 1
+        stats.prompt_tokens += len(toks)
+        if top is not None:
+            matched = stats.matched_tokens
+            for tier, n in top.tokens_by_tier.items():
+                matched[tier] = matched.get(tier, 0) + n
         return out
 
     def pick(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,

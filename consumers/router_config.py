@@ -97,6 +97,10 @@ class RouterStats:
     pending_expired: int = 0
     pending_dropped: int = 0  #: pushed out by pending_capacity
     pending_cancelled: int = 0  #: removed or cleared before they could be joined
+    lookups: int = 0  #: score() calls (pick() included)
+    prompt_tokens: int = 0  #: tokens of the scored prompts
+    #: per tier, the prefix tokens of the pod pick() would choose, summed over score() calls
+    matched_tokens: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)  #: bad input, by kind
 
     def as_dict(self) -> dict[str, object]:

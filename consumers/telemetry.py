@@ -41,44 +41,28 @@ _UNJOINED = {"held": "pending_held", "resolved": "pending_resolved", "expired": 
 
 
 class RouterProbe:
-    """The wrappers over ``score`` and ``handle``; counting and tracing are switched apart."""
+    """The tracing wrappers over ``score`` and ``handle`` (lookups and matched tokens are the
+    router's own plain counters, read by :func:`observe_router`: no wrapper needed for them)."""
 
     def __init__(self, router: Any) -> None:
         self.router = router
-        self.counting = False
         self.tracer: trace.Tracer | None = None
         self.registry: MessageRegistry = MESSAGES
         self.every = 1  #: deliveries traced iff seq % every == 0; score calls one in every
         self.score_calls = 0  #: score calls seen while tracing (the score sampler's counter)
-        self.lookups = 0
-        self.prompt_tokens = 0
-        self.matched: dict[str, int] = {}
         orig_score = router.score
         orig_handle = router.handle
         batch_kind = DeliveryKind.BATCH
 
         # *args/**kw pass-through: rebinding score()'s keyword-only parameters costs more than
-        # the counting itself
+        # the sampling check itself
         def score(*args, **kw):
             if self.tracer is not None:
                 n = self.score_calls
                 self.score_calls = n + 1
                 if n % self.every == 0:
                     return self._traced_score(orig_score, args, kw)
-            scores = orig_score(*args, **kw)
-            if self.counting:  # inlined _count: this runs on every routing decision
-                self.lookups += 1
-                self.prompt_tokens += len(args[0] if args else kw["tokens"])
-                if scores:
-                    if len(scores) == 1:
-                        for best in scores.values():
-                            pass
-                    else:
-                        best = _best(scores)
-                    m = self.matched
-                    for tier, n in best.tokens_by_tier.items():
-                        m[tier] = m.get(tier, 0) + n
-            return scores
+            return orig_score(*args, **kw)
 
         def handle(delivery):
             if self.tracer is None or (delivery.seq % self.every and delivery.kind is batch_kind):
@@ -100,7 +84,7 @@ class RouterProbe:
         except BaseException as exc:
             self._error_span("kvevents.router.score", t0, None, {}, exc)
             raise
-        best = self._count(tokens, scores) if self.counting else _best(scores)
+        best = _best(scores)
         attrs = {"kvevents.router.prompt_tokens": len(tokens), "kvevents.router.pods": len(scores)}
         if best is not None:
             attrs["kvevents.router.best_pod"] = best.pod
@@ -147,18 +131,8 @@ class RouterProbe:
         span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         span.end()
 
-    def _count(self, tokens, scores):
-        self.lookups += 1
-        self.prompt_tokens += len(tokens)
-        best = _best(scores)
-        if best is not None:
-            m = self.matched
-            for tier, n in best.tokens_by_tier.items():
-                m[tier] = m.get(tier, 0) + n
-        return best
-
     def maybe_close(self) -> None:
-        if not self.counting and self.tracer is None:
+        if self.tracer is None:
             for name in ("score", "handle"):
                 self.router.__dict__.pop(name, None)
             self.router.__dict__.pop(_PROBE, None)
@@ -230,8 +204,6 @@ def observe_router(router: Any, meter: Meter | None = None, *, refresh_interval:
     meter = get_meter(meter)
     extra = dict(attributes or {})
     obs = Observation(router)
-    probe = _probe(router)
-    probe.counting = True
     stats = router.stats
     base = dict(extra)
     scan = _IndexScan(router, refresh_interval)
@@ -244,10 +216,10 @@ def observe_router(router: Any, meter: Meter | None = None, *, refresh_interval:
     obs.add(meter, "kvevents.router.index.size", lambda: [(n, a(tier=t)) for t, n in scan.get()[1].items()])
     obs.add(meter, "kvevents.router.batches", simple(lambda: stats.batches))
     obs.add(meter, "kvevents.router.events", simple(lambda: stats.events))
-    obs.add(meter, "kvevents.router.lookups", simple(lambda: probe.lookups))
-    obs.add(meter, "kvevents.router.prompt.tokens", simple(lambda: probe.prompt_tokens))
+    obs.add(meter, "kvevents.router.lookups", simple(lambda: stats.lookups))
+    obs.add(meter, "kvevents.router.prompt.tokens", simple(lambda: stats.prompt_tokens))
     obs.add(meter, "kvevents.router.matched.tokens",
-            lambda: [(n, a(tier=t)) for t, n in list(probe.matched.items())])
+            lambda: [(n, a(tier=t)) for t, n in list(stats.matched_tokens.items())])
     obs.add(meter, "kvevents.router.offload.unjoined",
             lambda: [(getattr(stats, f), a(outcome=o)) for o, f in _UNJOINED.items()])
     obs.add(meter, "kvevents.router.offload.pending", simple(lambda: len(router._pending)))
@@ -257,12 +229,6 @@ def observe_router(router: Any, meter: Meter | None = None, *, refresh_interval:
     obs.add(meter, "kvevents.router.errors", lambda: [(n, a(kind=k)) for k, n in list(stats.errors.items())])
     obs.add(meter, "kvevents.router.gaps", simple(lambda: stats.gaps))
     obs.add(meter, "kvevents.router.resets", simple(lambda: stats.resets))
-
-    def stop():
-        probe.counting = False
-        probe.maybe_close()
-
-    obs.on_close(stop)
     return obs
 
 
