@@ -66,36 +66,39 @@ class PublisherStats:
 
 
 class _Ring:
-    """Encoded batches kept for replay, bounded by count and bytes. Guarded by its own lock."""
+    """Encoded batches kept for replay, bounded by count and bytes.
 
-    __slots__ = ("items", "nbytes", "max_items", "max_bytes", "lock", "stats")
+    One writer (the live thread) appends each batch BEFORE it goes on the socket, so a
+    subscriber that sees seq s live can always get every earlier seq the ring still holds.
+    No lock: readers take a snapshot with ``list(deque)``, one C-level copy that no other
+    Python thread can interleave with under the GIL.
+    """
+
+    __slots__ = ("items", "nbytes", "max_items", "max_bytes", "stats")
 
     def __init__(self, max_items: int, max_bytes: int, stats: PublisherStats) -> None:
         self.items: deque[tuple[int, bytes, bytes]] = deque()
         self.nbytes = 0
         self.max_items = max_items
         self.max_bytes = max_bytes
-        self.lock = threading.Lock()
         self.stats = stats
 
-    def extend(self, items: list[tuple[int, bytes, bytes]]) -> None:
-        if not items:
-            return
-        with self.lock:
-            self.items.extend(items)
-            self.nbytes += sum(len(it[2]) for it in items)
-            while self.items and (len(self.items) > self.max_items or self.nbytes > self.max_bytes):
-                self.nbytes -= len(self.items.popleft()[2])
-                self.stats.ring_evicted += 1
+    def append(self, seq: int, topic: bytes, payload: bytes) -> None:
+        items = self.items
+        items.append((seq, topic, payload))
+        self.nbytes += len(payload)
+        while len(items) > self.max_items or self.nbytes > self.max_bytes:
+            self.nbytes -= len(items.popleft()[2])
+            self.stats.ring_evicted += 1
 
     def since(self, start: int) -> list[tuple[int, bytes, bytes]]:
-        """Every kept batch with seq >= start, oldest first (scans only the answer from the right)."""
-        with self.lock:
-            out = []
-            for item in reversed(self.items):
-                if item[0] < start:
-                    break
-                out.append(item)
+        """Every kept batch with seq >= start, oldest first."""
+        snapshot = list(self.items)
+        out = []
+        for item in reversed(snapshot):
+            if item[0] < start:
+                break
+            out.append(item)
         out.reverse()
         return out
 
@@ -293,60 +296,56 @@ class ZmqEventPublisher(EventPublisher):
                 continue
             if ring_only:
                 encoded = [(seq, topic, self._encode(item)) for seq, item, topic in ring_only]
-                ring.extend([e for e in encoded if e[2] is not None])
+                for seq, topic, payload in encoded:
+                    if payload is not None:
+                        ring.append(seq, topic, payload)
             self._inflight = live
             hooks = self.hooks
             every = hooks.every if hooks is not None else 0
             token = None
             drop = self._drop_live
             send = pub.send
-            kept = []  # (seq, topic, payload) for the ring: one lock per 32 batches, not per batch
-            try:
-                for i, (seq, item, topic) in enumerate(live):
-                    self._inflight_pos = i
-                    if self._closing and time.monotonic() > self._deadline:
-                        with self._lock:  # give the rest back for shutdown() to report
-                            self._queue.extendleft(reversed(live[i:]))
-                            self._inflight = []
-                        return
-                    traced = every and not seq % every  # per-batch hooks only for sampled seqs
+            for i, (seq, item, topic) in enumerate(live):
+                self._inflight_pos = i
+                if self._closing and time.monotonic() > self._deadline:
+                    with self._lock:  # give the rest back for shutdown() to report
+                        self._queue.extendleft(reversed(live[i:]))
+                        self._inflight = []
+                    return
+                traced = every and not seq % every  # per-batch hooks only for sampled seqs
+                if traced:
+                    token = hooks.before_send(seq, topic)
+                payload = self._encode(item)
+                if payload is None:
                     if traced:
-                        token = hooks.before_send(seq, topic)
-                    payload = self._encode(item)
-                    if payload is None:
-                        if traced:
-                            hooks.after_send(token, seq, b"", item, "encode_error")
-                        continue
-                    kept.append((seq, topic, payload))
-                    if len(kept) >= 32:  # bound how far the ring lags the live socket
-                        ring.extend(kept)
-                        kept = []
-                        # hand the GIL over: the engine thread calling publish() must never wait
-                        # a whole switch interval (5 ms) behind this loop
-                        _yield_gil(0)
-                    if drop is not None and drop(seq):
-                        stats.live_dropped += 1
-                        if traced:
-                            hooks.after_send(token, seq, payload, item, "dropped")
-                        continue
-                    try:
-                        # three plain sends: pyzmq's send_multipart costs ~2.5x as much per message
-                        send(topic, SNDMORE)
-                        send(seq.to_bytes(8, "big"), SNDMORE)
-                        send(payload)
-                    except zmq.ZMQError:
-                        stats.send_errors += 1
-                        if traced:
-                            hooks.after_send(token, seq, payload, item, "send_error")
-                    else:
-                        stats.batches_published += 1
-                        stats.bytes_published += len(payload)
-                        if type(item) is not bytes:
-                            stats.events_published += len(item.events)
-                        if traced:
-                            hooks.after_send(token, seq, payload, item, "sent")
-            finally:
-                ring.extend(kept)
+                        hooks.after_send(token, seq, b"", item, "encode_error")
+                    continue
+                ring.append(seq, topic, payload)  # before the socket: see _Ring
+                if i & 31 == 31:
+                    # hand the GIL over: the engine thread calling publish() must never wait
+                    # a whole switch interval (5 ms) behind this loop
+                    _yield_gil(0)
+                if drop is not None and drop(seq):
+                    stats.live_dropped += 1
+                    if traced:
+                        hooks.after_send(token, seq, payload, item, "dropped")
+                    continue
+                try:
+                    # three plain sends: pyzmq's send_multipart costs ~2.5x as much per message
+                    send(topic, SNDMORE)
+                    send(seq.to_bytes(8, "big"), SNDMORE)
+                    send(payload)
+                except zmq.ZMQError:
+                    stats.send_errors += 1
+                    if traced:
+                        hooks.after_send(token, seq, payload, item, "send_error")
+                else:
+                    stats.batches_published += 1
+                    stats.bytes_published += len(payload)
+                    if type(item) is not bytes:
+                        stats.events_published += len(item.events)
+                    if traced:
+                        hooks.after_send(token, seq, payload, item, "sent")
             self._inflight = []
 
     # ---- replay thread ---------------------------------------------------------------------

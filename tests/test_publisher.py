@@ -94,8 +94,9 @@ def test_ring_is_bounded_by_count_and_bytes() -> None:
 
 def test_publish_never_blocks_when_the_queue_is_full() -> None:
     ep, rep = ipc_pair()
-    pub = ZmqEventPublisher(ep, rep, max_queue_size=10, buffer_steps=10_000)
-    pub._ring.lock.acquire()  # stall the live thread inside its first ring append
+    gate = threading.Event()  # the live thread stalls in the fault hook until the gate opens
+    pub = ZmqEventPublisher(ep, rep, max_queue_size=10, buffer_steps=10_000,
+                            drop_live=lambda seq: not gate.wait(30))
     done = threading.Event()
 
     def flood() -> None:
@@ -108,7 +109,7 @@ def test_publish_never_blocks_when_the_queue_is_full() -> None:
     try:
         assert done.wait(30), "publish() blocked on a full queue"
     finally:
-        pub._ring.lock.release()
+        gate.set()
     t.join()
     report = pub.shutdown(timeout=10)
     s = pub.stats()
@@ -122,13 +123,13 @@ def test_publish_never_blocks_when_the_queue_is_full() -> None:
 
 def test_drop_oldest_policy_counts_losses() -> None:
     ep, _ = ipc_pair()
-    pub = ZmqEventPublisher(ep, max_queue_size=4, overflow="drop_oldest")
-    pub._ring.lock.acquire()
+    gate = threading.Event()
+    pub = ZmqEventPublisher(ep, max_queue_size=4, overflow="drop_oldest", drop_live=lambda seq: not gate.wait(30))
     try:
         for i in range(100):
             pub.publish(batch(i))
     finally:
-        pub._ring.lock.release()
+        gate.set()
     pub.shutdown(timeout=10)
     s = pub.stats()
     assert s["overflow"] == s["overflow_lost"] >= 100 - 5

@@ -15,7 +15,7 @@ from kvevents.telemetry import instrument_publisher, instrument_subscriber, unin
 from manager import CPUOffloadingManager
 from manager.engine_sim import SimEngine
 from manager.telemetry import instrument_engine
-from tests.pubsub_helpers import collect, ipc_pair, wait_connected
+from tests.pubsub_helpers import collect, collect_until, ipc_pair, wait_connected
 
 TOPIC = "kv@pod0@demo"
 
@@ -35,13 +35,19 @@ def pipeline():
     pub.shutdown()
 
 
-def _drive(engine, sub, router, req: str, tokens: list[int]) -> list:
+def _drive(engine, sub, router, req: str, tokens: list[int], exporter=None) -> list:
     engine.add_request(req, tokens, max_new_tokens=2)
     engine.run_until_idle()
     last = engine.publisher.next_seq - 1  # not a count: late wait_connected probes would count too
     got = collect(sub, lambda g: any(d.kind is DeliveryKind.BATCH and d.seq == last for d in g))
     for d in got:
         router.handle(d)
+    if exporter is not None:
+        # the publisher's thread ends a send span just after the bytes leave: a subscriber can
+        # have the batch first, so wait (poll, with a deadline) for the last send span to end
+        assert collect_until(lambda: any(
+            sp.name.startswith("send ") and sp.attributes.get("kvevents.seq") == last
+            for sp in exporter.get_finished_spans())), "the last send span never ended"
     return got
 
 
@@ -56,7 +62,7 @@ def test_one_batch_from_step_to_router(pipeline):
     t_router = instrument_router(router, tracer_provider=tp, sample_every=1)
 
     tokens = list(range(17))
-    _drive(engine, sub, router, "r0", tokens)
+    _drive(engine, sub, router, "r0", tokens, exporter)
     assert router.pick(tokens) == "pod0"
     spans = exporter.get_finished_spans()
     by_id = {s.context.span_id: s for s in spans}
@@ -69,7 +75,9 @@ def test_one_batch_from_step_to_router(pipeline):
     assert step.attributes["kvevents.step.store_jobs"] >= 1
     assert "kvevents.step.jobs_flushed" in step.attributes
     sends = [s for s in spans if s.name == f"send {TOPIC}" and s.parent and s.parent.span_id == step.context.span_id]
-    assert len(sends) == 1
+    assert len(sends) == 1, (
+        [(s.name, s.context.span_id, s.parent and s.parent.span_id, dict(s.attributes)) for s in spans
+         if s.name.startswith(("send", "kvevents.step"))])
     send = sends[0]
     assert send.kind is SpanKind.PRODUCER
     a = send.attributes
