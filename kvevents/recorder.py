@@ -46,6 +46,7 @@ class SourceProgress:
     malformed: int = 0  #: messages that are not [topic, 8-byte seq, payload] (recorded anyway)
     # request state
     outstanding: float | None = None  #: when the outstanding request was sent
+    asked: int | None = None  #: start seq of the outstanding request (asked again if it times out)
     want: int | None = None  #: a start seq to ask for once the outstanding request ends
     backfill: bool = False  #: ask for what the publisher held before we joined (from seq 0)
     answered: int = 0  #: batches in replay answers
@@ -120,6 +121,7 @@ class Recorder:
             return
         self._dealer_of[src.endpoint].send_multipart([b"", start.to_bytes(8, "big")])
         src.outstanding = now
+        src.asked = start
         src.replay_requests += 1
 
     def _on_live(self, src: SourceProgress, frames: list[bytes], now: float) -> None:
@@ -161,11 +163,13 @@ class Recorder:
     def _tick(self, now: float) -> None:
         for src in self.sources.values():
             if src.outstanding is not None and now - src.outstanding > self.replay_timeout:
+                # no end marker in time (a busy publisher, a loaded machine): ask again, from the
+                # earliest start still wanted, rather than leave a hole in the recording
                 src.outstanding = None
                 src.replay_timeouts += 1
-                if src.want is not None:
-                    start, src.want = src.want, None
-                    self._request(src, start, now)
+                start = src.asked if src.want is None else min(src.want, src.asked)
+                src.want = None
+                self._request(src, start, now)
             elif src.backfill and src.outstanding is None and src.high is None:
                 self._request(src, 0, now)  # late join: ask again until the publisher has something
 
