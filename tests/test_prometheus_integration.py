@@ -90,9 +90,16 @@ def _api(base: str, path: str, **params) -> dict:
     url = f"{base}{path}?{urllib.parse.urlencode(params)}"
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
-            return json.loads(resp.read())
+            body, status = resp.read(), resp.status
     except urllib.error.HTTPError as exc:  # a bad query is a 400 with a JSON error body
-        return json.loads(exc.read() or b"{}") | {"http_status": exc.code}
+        body, status = exc.read(), exc.code
+    except (urllib.error.URLError, OSError) as exc:  # not listening yet
+        return {"status": "unreachable", "error": str(exc)}
+    try:
+        answer = json.loads(body or b"{}")
+    except ValueError:  # e.g. "Service Unavailable" while Prometheus is still starting up
+        return {"status": "not-json", "http_status": status, "body": body[:200].decode(errors="replace")}
+    return answer | {"http_status": status} if status != 200 else answer
 
 
 def _has_data(answer: dict) -> bool:
@@ -172,6 +179,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
         while pending and time.monotonic() < deadline:
             for key, q in list(pending.items()):
                 a = _api(base, "/api/v1/query", query=dq.runnable(q.expr))
+                if a.get("status") in ("unreachable", "not-json"):  # a transient answer: ask again
+                    last[key] = a
+                    continue
                 assert a.get("status") == "success", f"{key}: Prometheus rejected {q.expr!r}: {a}"
                 if _has_data(a):
                     del pending[key]
