@@ -10,8 +10,10 @@ sequence order, without duplicates:
   first missing seq and holds live batches until the answer ends; the replayed batches are
   delivered first, then the held ones. What replay could not cover becomes a GAP delivery
   with its size; a held gap may be asked for once more before it is given up;
-* a live seq below the expected one means the publisher restarted: a RESET delivery, then
-  the stream starts again from seq 0 (missing early seqs of the new run are a gap as above);
+* a live seq at or below the last live seq means the publisher restarted (ZeroMQ keeps one
+  publisher's messages in order): a RESET delivery, then the stream starts again from seq 0
+  (missing early seqs of the new run are a gap as above); a live seq above the last live one
+  but below the expected one was already delivered by a replay that ran ahead: dropped;
 * a malformed payload (seq known, batch undecodable) is a GAP of one with reason "malformed".
 """
 
@@ -24,7 +26,7 @@ BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
 
 
 class SeqTracker:
-    __slots__ = ("publisher", "topic", "can_replay", "health", "expected", "recovering", "late",
+    __slots__ = ("publisher", "topic", "can_replay", "health", "expected", "live_high", "recovering", "late",
                  "pending", "attempts", "request", "deadline", "replay_timeout", "max_pending",
                  "max_attempts")
 
@@ -36,6 +38,7 @@ class SeqTracker:
         self.can_replay = can_replay
         self.health = PublisherHealth(publisher, last_recv_ts=now)
         self.expected: int | None = None  # next seq to deliver; None before the first
+        self.live_high = -1  # highest seq seen on the live socket (since the last restart)
         self.recovering = False
         self.late = False  # recovering for a late join: the first replayed seq sets `expected`
         self.pending: dict[int, tuple[KVEventBatch | None, float]] = {}
@@ -58,16 +61,24 @@ class SeqTracker:
         if topic:
             self.topic = topic
         out: list[Delivery] = []
-        if seq == self.expected and not self.recovering and batch is not None:  # the common case
-            self.expected = seq + 1
+        if seq == self.expected and seq > self.live_high and not self.recovering and batch is not None:
+            self.expected = seq + 1  # the common case: next in line
+            self.live_high = seq
             h.last_seq = seq
             self.attempts = 0
             return [Delivery(BATCH, self.publisher, self.topic, seq, batch, now)]
+        if seq <= self.live_high:
+            # the live stream itself went backwards (ZeroMQ keeps one publisher's messages in
+            # order): the publisher restarted
+            if self.recovering:
+                self._abandon(out, now)
+            self._reset(out, seq, now)
+            self.live_high = seq
+            return self._accept(out, seq, batch, now)
+        self.live_high = seq
+        if self.expected is not None and seq < self.expected and not self.late:
+            return out  # already delivered from a replay that ran ahead of the live socket
         if self.recovering:
-            if self.expected is not None and seq < self.expected and not self.late:
-                self._abandon(out, now)  # restarted while we were recovering
-                self._reset(out, seq, now)
-                return self._accept(out, seq, batch, now)
             self.pending[seq] = (batch, now)
             if len(self.pending) > self.max_pending:
                 self._abandon(out, now)

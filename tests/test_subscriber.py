@@ -319,3 +319,20 @@ def test_tracker_late_join_on_an_empty_ring_starts_at_zero() -> None:
     out = t.on_replay(0, batch(0), 0) + t.on_replay(1, batch(1), 0) + t.on_replay(2, batch(2), 0)
     out += t.on_replay_end(0)
     assert [d.seq for d in out] == [0, 1, 2, 3]
+
+
+def test_tracker_replay_running_ahead_of_the_live_socket_is_not_a_restart() -> None:
+    """Replay answers up to the ring's end; live copies still in transit must be dropped, not
+    taken for a publisher restart (which would deliver a RESET and the batches twice)."""
+    t = SeqTracker("p", can_replay=True)
+    out = t.on_live(0, batch(0), 0) + t.on_live(3, batch(3), 0)
+    assert t.request == 1
+    for s in (1, 2, 3, 4, 5):
+        out += t.on_replay(s, batch(s), 0)
+    out += t.on_replay_end(0)
+    out += t.on_live(4, batch(4), 0) + t.on_live(5, batch(5), 0)  # in transit when replay answered
+    out += t.on_live(6, batch(6), 0)
+    assert [(d.kind, d.seq) for d in out] == [(BATCH, s) for s in range(7)]
+    assert t.health.resets == 0
+    # and a real restart (the live socket going backwards) is still one
+    assert [d.kind for d in t.on_live(0, batch(0), 0)] == [RESET, BATCH]
