@@ -24,7 +24,7 @@ What differs from vLLM's:
 
 from __future__ import annotations
 
-import itertools
+import struct
 import threading
 import time
 from collections import deque
@@ -41,6 +41,7 @@ from .publisher_base import EventPublisher, ShutdownReport
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SNDMORE = zmq.SNDMORE
+_pack_seq = struct.Struct(">Q").pack
 _yield_gil = time.sleep
 OVERFLOW_POLICIES = ("replay_only", "drop_oldest")
 
@@ -84,9 +85,12 @@ class _Ring:
         self.stats = stats
 
     def append(self, seq: int, topic: bytes, payload: bytes) -> None:
-        items = self.items
-        items.append((seq, topic, payload))
+        self.items.append((seq, topic, payload))
         self.nbytes += len(payload)
+        self.trim()
+
+    def trim(self) -> None:
+        items = self.items
         while len(items) > self.max_items or self.nbytes > self.max_bytes:
             self.nbytes -= len(items.popleft()[2])
             self.stats.ring_evicted += 1
@@ -305,6 +309,9 @@ class ZmqEventPublisher(EventPublisher):
             token = None
             drop = self._drop_live
             send = pub.send
+            # the encoder and the ring, one call deep (this loop is the publisher's hot path)
+            encode = None if self._encoder.legacy else self._encoder._enc.encode
+            items = ring.items
             for i, (seq, item, topic) in enumerate(live):
                 self._inflight_pos = i
                 if self._closing and time.monotonic() > self._deadline:
@@ -315,12 +322,21 @@ class ZmqEventPublisher(EventPublisher):
                 traced = every and not seq % every  # per-batch hooks only for sampled seqs
                 if traced:
                     token = hooks.before_send(seq, topic)
-                payload = self._encode(item)
-                if payload is None:
-                    if traced:
-                        hooks.after_send(token, seq, b"", item, "encode_error")
-                    continue
-                ring.append(seq, topic, payload)  # before the socket: see _Ring
+                if type(item) is bytes:
+                    payload = item
+                else:
+                    try:
+                        payload = encode(item) if encode is not None else self._encoder.encode(item)
+                    except Exception:  # a batch holding values msgpack cannot carry
+                        stats.encode_errors += 1
+                        if traced:
+                            hooks.after_send(token, seq, b"", item, "encode_error")
+                        continue
+                # into the ring before the socket (see _Ring); _Ring.append, inlined
+                items.append((seq, topic, payload))
+                ring.nbytes += len(payload)
+                if len(items) > ring.max_items or ring.nbytes > ring.max_bytes:
+                    ring.trim()
                 if i & 31 == 31:
                     # hand the GIL over: the engine thread calling publish() must never wait
                     # a whole switch interval (5 ms) behind this loop
@@ -333,7 +349,7 @@ class ZmqEventPublisher(EventPublisher):
                 try:
                     # three plain sends: pyzmq's send_multipart costs ~2.5x as much per message
                     send(topic, SNDMORE)
-                    send(seq.to_bytes(8, "big"), SNDMORE)
+                    send(_pack_seq(seq), SNDMORE)
                     send(payload)
                 except zmq.ZMQError:
                     stats.send_errors += 1
