@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import zmq
 
-from .codec import BatchDecoder
+from .codec import decode_batch
 from .delivery import Delivery, HealthState, PublisherHealth
 from .endpoints import validate_endpoint
 from .errors import DecodeError, EndpointError
@@ -83,8 +83,6 @@ class Subscriber:
         self.replay_timeout = replay_timeout
         self.max_pending = max_pending
         self._ctx = context or zmq.Context.instance()
-        self._decoder = BatchDecoder()
-        self._fast_decode = self._decoder._current.decode
         self._poller = zmq.Poller()
         self._by_sock: dict[zmq.Socket, tuple[str, _Peer | None]] = {}
         self._peers: dict[str, _Peer] = {}
@@ -248,13 +246,10 @@ class Subscriber:
         if hooks is not None:
             t0 = time.time_ns()  # (~50 ns; the seq is not known until after the decode)
         try:
-            batch = self._fast_decode(payload)  # the current encoding, one call deep
-        except Exception:
-            try:
-                batch = self._decoder.decode(payload)  # legacy / lenient, or a typed DecodeError
-            except DecodeError:
-                self._count(peer, "payload")
-                batch = None
+            batch = decode_batch(payload)  # the codec's fast path: the current encoding one call deep
+        except DecodeError:
+            self._count(peer, "payload")
+            batch = None
         seq = int.from_bytes(seq_b, "big")
         if hooks is not None and not seq % hooks.every:  # live receive hooks: sampled seqs only
             hooks.on_receive(peer.name, topic, seq, batch, len(payload), t0, False)
@@ -279,7 +274,7 @@ class Subscriber:
         if hooks is not None:
             t0 = time.time_ns()
         try:
-            batch = self._decoder.decode(frames[3])
+            batch = decode_batch(frames[3])
         except DecodeError:
             self._count(peer, "payload")
             batch = None
