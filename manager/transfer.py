@@ -8,8 +8,19 @@
   same block shape and dtype. The host buffer is pinned when the device is CUDA.
 
 On CUDA each direction has its own stream: a store first waits for the work already queued
-on the current stream (so it copies what the model wrote), then issues non-blocking copies
-of contiguous runs; an event recorded after the job tells ``get_finished`` when it is done.
+on the current stream (so it copies what the model wrote); an event recorded after the job
+tells ``get_finished`` when it is done. A job is copied one of two ways (``copy_mode``):
+
+* ``"kernel"``: one gather kernel and one scatter kernel per job that read or write the
+  pinned host buffer directly through CUDA's unified addressing (the host buffer is seen by
+  the GPU as a device tensor at the same address). Scattered block ids cost nothing extra,
+  so this reaches the link's rate even for small blocks; the price is a few SMs' time;
+* ``"dma"``: one ``copy_`` per contiguous run of ids, on the copy engines (no SM time, but
+  each run pays the copy's launch cost: blocks of 256 KiB at random ids measured half the
+  link's rate on an H100).
+
+``"auto"`` (the default) takes the copy engines for a job whose ids form few long runs
+(mean run >= ``dma_min_run_bytes``, 4 MiB by default) and the kernel for the rest.
 On CPU the copies run on a background thread. Either way the ``submit_*`` calls return at
 once and ``get_finished()`` reports finished job ids (failed ones with ``success=False``).
 
@@ -47,6 +58,7 @@ from .transfer_base import (
     check_host_layout,
     contiguous_runs,
     copy_runs,
+    run_count,
     expand_block_ids,
 )
 
@@ -57,6 +69,7 @@ __all__ = [
     "DuplicateJobError",
     "NumpyTransferWorker",
     "ShapeMismatchError",
+    "COPY_MODES",
     "TorchTransferWorker",
     "TransferError",
     "TransferResult",
@@ -109,8 +122,65 @@ class _CpuTorchWorker(ThreadedTransferWorker):
             copy_runs(self._dev_bytes, self._host_bytes, job.src, job.dst)
 
 
+COPY_MODES = ("auto", "kernel", "dma")
+
+_TYPESTR = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.uint8: "|u1"}
+
+
+def block_rows(t: "torch.Tensor") -> "torch.Tensor":
+    """``t`` (contiguous, ``[num_blocks, ...]``) as ``[num_blocks, words]`` of the widest integer
+    type that divides a block's bytes: index kernels then move 8 bytes per element, whatever
+    the cache's dtype (float16 rows seen as int64 words)."""
+    rows = t.reshape(t.shape[0], -1)
+    if rows.shape[1] == 0:
+        return rows.view(torch.uint8) if rows.element_size() == 1 else rows
+    raw = rows.view(torch.uint8)
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = torch.empty((), dtype=dtype).element_size()
+        if raw.shape[1] % size == 0 and t.data_ptr() % size == 0:
+            return raw.view(dtype)
+    return raw
+
+
+def gather_copy(dst_rows: "torch.Tensor", src_rows: "torch.Tensor", src_ids: "torch.Tensor",
+                dst_ids: "torch.Tensor") -> None:
+    """``dst_rows[dst_ids] = src_rows[src_ids]``: a gather kernel, then a scatter kernel."""
+    dst_rows.index_copy_(0, dst_ids, src_rows.index_select(0, src_ids))
+
+
+class _HostAsDevice:
+    """Pinned host memory described as CUDA memory (``__cuda_array_interface__``).
+
+    With unified virtual addressing (every 64-bit CUDA platform) a pinned host allocation has
+    the same address on the host and the GPU, so ``torch.as_tensor(self, device=...)`` yields a
+    CUDA tensor whose kernels read and write the host buffer over the link."""
+
+    def __init__(self, rows: "torch.Tensor") -> None:
+        self.__cuda_array_interface__ = {
+            "shape": tuple(rows.shape),
+            "typestr": _TYPESTR[rows.dtype],
+            "data": (rows.data_ptr(), False),
+            "strides": None,
+            "version": 2,
+        }
+
+
+def host_rows_on_device(host_rows: "torch.Tensor", device: "torch.device") -> "torch.Tensor | None":
+    """A CUDA tensor aliasing the pinned ``host_rows``, or None where this CUDA setup offers none."""
+    if host_rows.dtype not in _TYPESTR or not host_rows.is_pinned():
+        return None
+    try:
+        view = torch.as_tensor(_HostAsDevice(host_rows), device=device)
+    except Exception:
+        return None
+    if view.device != device or view.data_ptr() != host_rows.data_ptr() or view.shape != host_rows.shape:
+        return None
+    return view
+
+
 class _CudaTorchWorker(TransferWorker):
-    def __init__(self, device_cache: "torch.Tensor", host: "torch.Tensor") -> None:
+    def __init__(self, device_cache: "torch.Tensor", host: "torch.Tensor", *, copy_mode: str = "auto",
+                 dma_min_run_bytes: int = 4 << 20) -> None:
         super().__init__(device_cache.shape[0], host.shape[0])
         self.device_cache = device_cache
         self.host_cache = host
@@ -119,6 +189,34 @@ class _CudaTorchWorker(TransferWorker):
         self._streams = {LOAD: torch.cuda.Stream(device=dev), STORE: torch.cuda.Stream(device=dev)}
         self._inflight: dict[int, tuple[Any, _Job]] = {}
         self._results: list[TransferResult] = []
+        self._dev_rows = block_rows(device_cache)
+        self._host_rows = block_rows(host)
+        self._host_on_dev = host_rows_on_device(self._host_rows, dev)
+        if copy_mode == "kernel" and self._host_on_dev is None:
+            raise TransferError(
+                "copy_mode='kernel' needs the pinned host buffer to be addressable from the GPU "
+                "(unified addressing); this CUDA setup offers none: use copy_mode='dma'"
+            )
+        self.copy_mode = copy_mode if self._host_on_dev is not None else "dma"
+        self.dma_min_run_bytes = int(dma_min_run_bytes)
+        self.kernel_jobs = 0
+        self.dma_jobs = 0
+
+    def stats(self) -> dict[str, int]:
+        out = super().stats()
+        out["kernel_jobs"] = self.kernel_jobs
+        out["dma_jobs"] = self.dma_jobs
+        return out
+
+    def _use_kernel(self, job: _Job) -> bool:
+        if self.copy_mode == "dma" or len(job.src) < 2:
+            return False
+        runs = run_count(job.src, job.dst)
+        if runs == 1:
+            return False
+        if self.copy_mode == "kernel":
+            return True
+        return len(job.src) * self.bytes_per_block < self.dma_min_run_bytes * runs
 
     def _enqueue(self, job: _Job) -> None:
         if job.job_id in self._inflight:
@@ -133,8 +231,22 @@ class _CudaTorchWorker(TransferWorker):
             else:
                 src, dst = self.host_cache, self.device_cache
             with torch.cuda.stream(stream):
-                for s, d, n in contiguous_runs(job.src, job.dst):
-                    dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+                if self._use_kernel(job):
+                    if job.direction == STORE:
+                        src_rows, dst_rows = self._dev_rows, self._host_on_dev
+                    else:
+                        src_rows, dst_rows = self._host_on_dev, self._dev_rows
+                    # the ids travel with the job: pinned, copied on this stream (torch's host
+                    # allocator keeps the pinned block until the copy has run)
+                    n = len(job.src)
+                    ids = torch.from_numpy(np.concatenate((job.src, job.dst))).pin_memory()
+                    ids = ids.to(self.device_cache.device, non_blocking=True)
+                    gather_copy(dst_rows, src_rows, ids[:n], ids[n:])
+                    self.kernel_jobs += 1
+                else:
+                    for s, d, n in contiguous_runs(job.src, job.dst):
+                        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+                    self.dma_jobs += 1
                 event = torch.cuda.Event()
                 event.record(stream)
         except Exception as exc:
@@ -181,12 +293,19 @@ class _CudaTorchWorker(TransferWorker):
         self._poll(block=True)
 
 
-def TorchTransferWorker(device_cache: "torch.Tensor", host_blocks: "int | torch.Tensor") -> TransferWorker:
-    """A transfer worker for ``device_cache``: CUDA streams on a GPU, a thread on the CPU."""
+def TorchTransferWorker(device_cache: "torch.Tensor", host_blocks: "int | torch.Tensor", *,
+                        copy_mode: str = "auto", dma_min_run_bytes: int = 4 << 20) -> TransferWorker:
+    """A transfer worker for ``device_cache``: CUDA streams on a GPU, a thread on the CPU.
+
+    ``copy_mode`` (CUDA only): ``"auto"``, ``"kernel"`` or ``"dma"``, see the module's doc."""
+    if copy_mode not in COPY_MODES:
+        raise ValueError(f"copy_mode must be one of {', '.join(COPY_MODES)}; got {copy_mode!r}")
+    if isinstance(dma_min_run_bytes, bool) or not isinstance(dma_min_run_bytes, int) or dma_min_run_bytes < 0:
+        raise ValueError(f"dma_min_run_bytes must be an int >= 0, got {dma_min_run_bytes!r}")
     _check_device_cache(device_cache)
     host = _make_host_buffer(device_cache, host_blocks)
     if device_cache.device.type == "cuda":
-        return _CudaTorchWorker(device_cache, host)
+        return _CudaTorchWorker(device_cache, host, copy_mode=copy_mode, dma_min_run_bytes=dma_min_run_bytes)
     if device_cache.device.type != "cpu":
         raise TransferError(f"unsupported device {device_cache.device} (cuda or cpu)")
     return _CpuTorchWorker(device_cache, host)

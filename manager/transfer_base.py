@@ -107,6 +107,14 @@ def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, in
     return [(int(src[s]), int(dst[s]), int(e - s)) for s, e in zip(starts, ends)]
 
 
+def run_count(src: np.ndarray, dst: np.ndarray) -> int:
+    """How many runs :func:`contiguous_runs` would return, without building them."""
+    n = len(src)
+    if n < 2:
+        return n
+    return 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
+
+
 def copy_runs(dst: np.ndarray, src: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
     """``dst[dst_ids] = src[src_ids]`` as one slice copy per contiguous run.
 

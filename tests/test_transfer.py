@@ -211,6 +211,17 @@ def test_numpy_worker_round_trip_and_factory():
         NumpyTransferWorker(dev, np.zeros((3, 5), dtype=np.int64))
 
 
+def test_run_count_agrees_with_contiguous_runs():
+    from manager.transfer_base import run_count
+
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 2, 5, 40):
+        for _ in range(20):
+            src = np.sort(rng.choice(60, n, replace=False)) if rng.random() < 0.5 else rng.choice(60, n, replace=False)
+            dst = src + 3 if rng.random() < 0.5 else rng.choice(60, n, replace=False)
+            assert run_count(src, dst) == len(contiguous_runs(src, dst))
+
+
 def test_expand_block_ids_and_runs():
     assert expand_block_ids([2, 0], 3).tolist() == [6, 7, 8, 0, 1, 2]
     assert expand_block_ids([2, 0], 3, skip=2).tolist() == [8, 0, 1, 2]
@@ -262,3 +273,85 @@ def test_import_without_torch_says_how_to_install():
     assert out.returncode == 0, out.stderr
     assert "pip install 'kvevents[torch]'" in out.stdout
     assert "pip install torch==2.13.0" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "dtype,shape,word",
+    [
+        (torch.float16, (4, 8), torch.int64),  # 64 bytes a block -> 8-byte words
+        (torch.float16, (3,), torch.int16),  # 6 bytes -> 2-byte words
+        (torch.float32, (3,), torch.int32),  # 12 bytes -> 4-byte words
+        (torch.uint8, (5,), torch.uint8),  # 5 bytes -> bytes
+        (torch.bfloat16, (2, 2, 4), torch.int64),
+    ],
+)
+def test_block_rows_views_each_block_as_the_widest_words(dtype, shape, word):
+    from manager.transfer import block_rows
+
+    t = torch.arange(6 * int(np.prod(shape))).to(dtype).reshape(6, *shape)
+    rows = block_rows(t)
+    assert rows.dtype == word and rows.shape[0] == 6
+    assert rows.data_ptr() == t.data_ptr()  # a view, not a copy
+    assert rows.numel() * rows.element_size() == t.numel() * t.element_size()
+    rows[2].zero_()
+    assert int(t[2].float().abs().sum()) == 0 and int(t[3].float().abs().sum()) != 0
+
+
+def test_gather_copy_matches_fancy_indexing():
+    from manager.transfer import block_rows, gather_copy
+
+    rng = np.random.default_rng(1)
+    src = torch.randn(32, 3, 4)
+    dst = torch.zeros(20, 3, 4)
+    s_ids = rng.choice(32, 12, replace=False)
+    d_ids = rng.choice(20, 12, replace=False)
+    expect = dst.clone()
+    expect[torch.as_tensor(d_ids)] = src[torch.as_tensor(s_ids)]
+    gather_copy(block_rows(dst), block_rows(src), torch.as_tensor(s_ids), torch.as_tensor(d_ids))
+    assert torch.equal(dst, expect)
+
+
+def test_copy_mode_is_checked():
+    with pytest.raises(ValueError, match="copy_mode must be one of auto, kernel, dma"):
+        TorchTransferWorker(torch.zeros(4, 2), 4, copy_mode="fast")
+    with pytest.raises(ValueError, match="dma_min_run_bytes"):
+        TorchTransferWorker(torch.zeros(4, 2), 4, dma_min_run_bytes=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("mode", ["auto", "kernel", "dma"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.uint8])
+def test_cuda_copy_modes_round_trip_scattered_and_contiguous_jobs(mode, dtype):
+    n_dev, n_host = 64, 48
+    dev = (torch.arange(n_dev * 2 * 6) % 251).to(dtype).reshape(n_dev, 2, 6).cuda()
+    original = dev.clone()
+    w = TorchTransferWorker(dev, n_host, copy_mode=mode, dma_min_run_bytes=1 << 20)
+    try:
+        assert w.host_cache.is_pinned()
+        rng = np.random.default_rng(7)
+        d_ids = rng.choice(n_dev, 40, replace=False)
+        h_ids = rng.choice(45, 40, replace=False)  # 45..47 are job 2's
+        w.submit_store(1, d_ids, h_ids)  # scattered
+        w.submit_store(2, [60, 61, 62], [45, 46, 47])  # one run: always the copy engines
+        assert w.wait(timeout=60)
+        assert all(r.success for r in w.get_finished())
+        host = w.host_cache
+        assert torch.equal(host[torch.as_tensor(h_ids)], original[torch.as_tensor(d_ids)].cpu())
+        assert torch.equal(host[45:48], original[60:63].cpu())
+        dev.zero_()
+        torch.cuda.synchronize()
+        w.submit_load(3, h_ids, d_ids)
+        assert w.wait([3], timeout=60)
+        [r] = w.get_finished()
+        assert r.success and r.num_blocks == 40
+        assert torch.equal(dev[torch.as_tensor(d_ids)], original[torch.as_tensor(d_ids)])
+        others = sorted(set(range(n_dev)) - set(d_ids.tolist()))
+        assert int(dev[others].float().abs().sum()) == 0  # untouched rows stay untouched
+        s = w.stats()
+        if mode == "dma":
+            assert s["kernel_jobs"] == 0 and s["dma_jobs"] == 3
+        else:  # small scattered blocks go through the kernel in auto mode too
+            assert s["kernel_jobs"] == 2 and s["dma_jobs"] == 1
+        assert w.copy_mode == mode
+    finally:
+        w.shutdown()
