@@ -1,5 +1,6 @@
 """consumers: the router index and scorer, record/replay tools, the contract kit."""
 
+from ._accel import status as fastpath_status
 from .keys import DEFAULT_BLOCK_SIZE, model_seed, request_keys
 from .router import KVRouter, pod_from_topic
 from .router_config import RouterConfig, RouterInputError, RouterStats
@@ -14,6 +15,7 @@ __all__ = [
     "RouterStats",
     "Score",
     "TierMatch",
+    "fastpath_status",
     "model_seed",
     "pod_from_topic",
     "request_keys",

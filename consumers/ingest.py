@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from .keys import KEY_MASK, chain_keys, model_seed
+from .keys import _FAST, KEY_MASK, chain_keys, model_seed
 from .router_config import RouterInputError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -26,7 +26,7 @@ class Endpoint:
     """One engine: a pod's data-parallel rank. Owns one slot (bit lane) in the index."""
 
     __slots__ = ("pod", "rank", "slot", "model", "lmap", "odd", "seed", "block_size", "chunk_keys",
-                 "odd_chunks", "token_tiers", "unreliable")
+                 "odd_chunks", "token_tiers", "unreliable", "fast_tiers")
 
     def __init__(self, pod: str, rank: int, slot: int, model: str, lmap: dict, odd: list) -> None:
         self.pod = pod
@@ -41,6 +41,7 @@ class Endpoint:
         self.odd_chunks: dict[int, dict[object, int]] = {}  #: tier -> chunk hash -> keys, if not the default
         self.token_tiers: set[int] = set()  #: tiers whose stores carried tokens
         self.unreliable = False
+        self.fast_tiers: tuple | None = None  #: the C fast path's per-tier context (consumers.fastingest)
 
     def __repr__(self) -> str:
         return f"Endpoint({self.pod!r}, rank={self.rank}, slot={self.slot}, model={self.model!r})"
@@ -64,6 +65,7 @@ class IngestMixin:
     _pending: OrderedDict
     _pending_by_hash: dict[object, list]
     _gen: int
+    _py_touch: int
 
     # --- helpers --------------------------------------------------------------------------
     def _error(self, kind: str, msg: str, strict: bool) -> None:
@@ -95,6 +97,7 @@ class IngestMixin:
         general methods below."""
         stats = self.stats
         stats.events += len(events)
+        self._py_touch += 1  # the C fast path's cached per-endpoint context may be stale now
         groups = self._cfg.groups
         tiers = self._tiers
         index = self._index
@@ -134,12 +137,15 @@ class IngestMixin:
                                 if None in keys or (odd[0] and not all(type(k) is int for k in keys)):
                                     keys = None
                             if keys is None:
-                                keys = []
-                                append = keys.append
-                                k = pv
-                                for c in map(hash, zip(*[iter(toks)] * C)):
-                                    k = hash((k, c)) & KEY_MASK
-                                    append(k)
+                                if _FAST is not None:
+                                    keys = chain_keys(toks, pv, C)
+                                else:
+                                    keys = []
+                                    append = keys.append
+                                    k = pv
+                                    for c in map(hash, zip(*[iter(toks)] * C)):
+                                        k = hash((k, c)) & KEY_MASK
+                                        append(k)
                                 lmap.update(zip(hashes, keys))
                             if ep.block_size != C:
                                 ep.block_size = C
@@ -397,6 +403,7 @@ class IngestMixin:
             index.remove(keys, bit)
 
     def _clear_endpoint(self, ep: Endpoint) -> None:
+        self._py_touch += 1
         self._index.clear_bits(self._index.slot_bits(ep.slot))
         self._drop_pending_of(ep.slot)
         ep.odd_chunks.clear()

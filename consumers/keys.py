@@ -25,6 +25,10 @@ decode plus the tuple hashes it replaces (1.03-1.33x end to end), and ``hash(byt
 randomised per process.
 
 Only full canonical blocks get a key; a prompt's trailing partial block is never matched.
+
+Where the optional C extension is built (:mod:`consumers._accel`), ``chain_keys`` runs in C
+with the same hashes, bit for bit (checked when it loads): a 4,096-token prompt's keys cost
+a few microseconds instead of ~70.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "KEY_MASK", "model_seed", "chain_keys", "request_keys", "as_token_list"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "KEY_MASK", "model_seed", "chain_keys", "chain_keys_py", "request_keys",
+           "as_token_list"]
 
 DEFAULT_BLOCK_SIZE = 16
 KEY_MASK = (1 << 60) - 1
@@ -54,8 +59,9 @@ def model_seed(model: str, lora_name: str | None = None) -> int:
     return seed
 
 
-def chain_keys(tokens: Sequence[int], parent: int, block_size: int) -> list[int]:
-    """Keys of every full ``block_size`` block of ``tokens``, chained on from ``parent``."""
+def chain_keys_py(tokens: Sequence[int], parent: int, block_size: int) -> list[int]:
+    """Keys of every full ``block_size`` block of ``tokens``, chained on from ``parent``
+    (pure Python; :func:`chain_keys` is the C version where it is built)."""
     out: list[int] = []
     append = out.append
     k = parent
@@ -64,6 +70,13 @@ def chain_keys(tokens: Sequence[int], parent: int, block_size: int) -> list[int]
         k = hash((k, c)) & mask
         append(k)
     return out
+
+
+from . import _accel  # noqa: E402  (needs chain_keys_py above)
+
+_FAST = _accel.load(chain_keys_py)
+#: Keys of every full ``block_size`` block of ``tokens``, chained on from ``parent``.
+chain_keys = chain_keys_py if _FAST is None else _FAST.chain_keys
 
 
 def as_token_list(tokens: object) -> list[int] | tuple[int, ...]:

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 
 from kvevents.events import KVEventBatch
 
+from .fastingest import FastIngestMixin
 from .index import BlockIndex, LearnedMap
 from .ingest import Endpoint, IngestMixin
 from .keys import as_token_list, chain_keys, model_seed
@@ -45,7 +46,7 @@ def pod_from_topic(topic: str) -> tuple[str | None, str | None]:
     return None, None
 
 
-class KVRouter(IngestMixin):
+class KVRouter(FastIngestMixin, IngestMixin):
     def __init__(self, config: RouterConfig | None = None, **overrides: object) -> None:
         if config is None:
             config = RouterConfig(**overrides)  # type: ignore[arg-type]
@@ -70,6 +71,9 @@ class KVRouter(IngestMixin):
         self._pub_pod: dict[str, str] = {}
         self._health: dict[str, str] = {}  #: pod -> RECOVERING / STALE (SYNCED pods absent)
         self._gen = 0  #: bumped whenever endpoints or their states change (score's cache key)
+        self._py_touch = 0  #: bumped whenever the Python ingest path runs (the C fast path's cache key)
+        self._fast_ep: Endpoint | None = None
+        self._fast_n0 = -1
         self._walk_cache: tuple = (None, None)
 
     @property
@@ -132,6 +136,7 @@ class KVRouter(IngestMixin):
     def reset_pod(self, pod: str) -> None:
         """The pod's publisher restarted: everything it told us is void."""
         self.stats.resets += 1
+        self._py_touch += 1
         for ep in self._pod_endpoints(pod):
             self._clear_endpoint(ep)
             # the engine block size is configuration, not state: a restarted engine keeps it

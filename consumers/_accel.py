@@ -1,0 +1,73 @@
+"""Loading the router's optional C fast path (``consumers/_fastpath.c``).
+
+``pip install`` builds it where a C compiler is present; without one the build skips it and
+the router runs in pure Python, with the same answers (only slower). Set
+``KVEVENTS_PURE_PYTHON=1`` to ignore a built extension.
+
+The extension recomputes CPython's int and tuple hashes (the router's keys are defined by
+them, see :mod:`consumers.keys`), so before it is used it must give the very keys the
+Python chain gives, both from a Python list (``chain_keys``) and from a msgpack payload
+(``apply``). If it ever does not (a future CPython changing its hashes), it is not used and
+:func:`status` says why.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Callable
+
+__all__ = ["load", "status"]
+
+_STATE: dict[str, object] = {"module": None, "reason": "not loaded yet"}
+
+# token ids chosen to exercise every int hash case: small, >= 2**61 - 1 (reduced), negative,
+# -1 (hashes to -2), and the msgpack int widths
+_PROBE = [0, 1, 127, 128, 255, 65_535, 65_536, 150_000, 2**31, 2**32 + 5, 2**61 - 1, 2**61, 2**63 + 7,
+          2**64 - 1, -1, -2, -33, -129, -40_000, -(2**31), -(2**63), 2**60 - 1, 42, 7]
+
+
+def _self_check(mod: ModuleType, chain_py: Callable) -> str | None:
+    """None if the extension agrees with the pure-Python chain, else what disagreed."""
+    from kvevents import BlockStored, KVEventBatch, encode_batch
+
+    for bs in (1, 3, 8):
+        for parent in (0, 12_345, 2**60 - 1):
+            if mod.chain_keys(_PROBE, parent, bs) != chain_py(_PROBE, parent, bs):
+                return f"chain_keys differs from the Python chain (block size {bs}, parent {parent})"
+    bs = 8
+    n = len(_PROBE) // bs
+    hashes = list(range(1000, 1000 + n))
+    payload = encode_batch(KVEventBatch(0.0, [BlockStored(hashes, None, _PROBE[: n * bs], bs, None, "GPU", None)], 0))
+    lmap: dict = {}
+    ctx = (lmap, {}, {}, {}, 99, bs, False, 0, 0, ("GPU",), (1,), (2,), (False,), 0, 1 << 30, 0, 1 << 30)
+    out = mod.apply(payload, 0, lambda pod, model, rank: ctx, "probe", None)
+    if out[0] != 0 or [lmap.get(h) for h in hashes] != chain_py(_PROBE[: n * bs], 99, bs):
+        return "apply's key hashing differs from the Python chain"
+    return None
+
+
+def load(chain_py: Callable) -> ModuleType | None:
+    """The extension module if it is built, wanted and agrees with ``chain_py``; else None."""
+    if os.environ.get("KVEVENTS_PURE_PYTHON", "") not in ("", "0"):
+        _STATE.update(module=None, reason="disabled by KVEVENTS_PURE_PYTHON")
+        return None
+    try:
+        from . import _fastpath  # type: ignore[attr-defined]
+    except ImportError as exc:
+        _STATE.update(module=None, reason=f"not built ({exc}); pure Python")
+        return None
+    try:
+        problem = _self_check(_fastpath, chain_py)
+    except Exception as exc:  # a broken build must not take the router down
+        problem = f"self-check raised {type(exc).__name__}: {exc}"
+    if problem is not None:
+        _STATE.update(module=None, reason=f"self-check failed: {problem}; pure Python")
+        return None
+    _STATE.update(module=_fastpath, reason="C fast path (consumers._fastpath)")
+    return _fastpath
+
+
+def status() -> str:
+    """Which ingest/hash path this process runs, and why."""
+    return str(_STATE["reason"])

@@ -1,0 +1,1181 @@
+/* consumers._fastpath: the router's ingest and key hashing in C.
+ *
+ * Optional: consumers/_accel.py loads it when it was built (pip install builds it where a C
+ * compiler is present) and it passes a self-check; otherwise the router runs in pure Python.
+ *
+ * Two functions:
+ *
+ * chain_keys(tokens, parent, block_size) -> list[int]
+ *     The router's chained request keys (consumers/keys.py): for every full block of
+ *     block_size tokens, key = hash((key, hash(block_tuple))) & (2**60 - 1), bit for bit what
+ *     the pure-Python chain computes (CPython's int and tuple hashes, recomputed here: the
+ *     import-time self-check compares both on sample inputs and refuses this module if they
+ *     ever differ).
+ *
+ * apply(payload, start, ctx_fn, pod, model) -> tuple
+ *     Parses a KVEventBatch msgpack payload (the current map encoding), checks the whole
+ *     batch first (anything this parser is not sure msgspec would decode the same way sends the
+ *     whole batch back to Python, before anything was changed), then asks
+ *     ctx_fn(pod, model, rank) for the endpoint's context and applies events from index
+ *     `start` on, exactly as consumers/ingest.py's inline paths do: GPU stores of canonical
+ *     blocks, offload stores that join one key per hash, and removals of one key per hash.
+ *     It stops at the first event that needs the general Python path (status 1) or after an
+ *     event whose index bookkeeping must run in Python (compaction, eviction: status 2), and
+ *     returns what it did so the caller can account for it and carry on.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ CPython's hashes */
+
+#define HMOD ((uint64_t)0x1FFFFFFFFFFFFFFFULL) /* 2**61 - 1: CPython's modulus for int hashes */
+#define XXP1 ((uint64_t)11400714785074694791ULL)
+#define XXP2 ((uint64_t)14029467366897019727ULL)
+#define XXP5 ((uint64_t)2870177450012600261ULL)
+#define KEY_MASK ((uint64_t)0x0FFFFFFFFFFFFFFFULL) /* 2**60 - 1 */
+
+static inline int64_t
+int_hash_u(uint64_t v)
+{
+    return (int64_t)(v % HMOD);
+}
+
+static inline int64_t
+int_hash_s(int64_t v)
+{
+    if (v >= 0)
+        return (int64_t)((uint64_t)v % HMOD);
+    uint64_t mag = (uint64_t)0 - (uint64_t)v;
+    int64_t h = -(int64_t)(mag % HMOD);
+    return h == -1 ? -2 : h;
+}
+
+static inline uint64_t
+lane_mix(uint64_t acc, int64_t lane)
+{
+    acc += (uint64_t)lane * XXP2;
+    acc = (acc << 31) | (acc >> 33);
+    return acc * XXP1;
+}
+
+static inline int64_t
+tuple_end(uint64_t acc, uint64_t len)
+{
+    acc += len ^ (XXP5 ^ 3527539ULL);
+    if (acc == (uint64_t)-1)
+        return 1546275796;
+    return (int64_t)acc;
+}
+
+/* key of the block after the key whose hash is `prev_lane`, for content hash `content`
+ * (a key is < 2**60, so its hash is itself) */
+static inline uint64_t
+chain_step_lane(int64_t prev_lane, int64_t content)
+{
+    uint64_t acc = lane_mix(XXP5, prev_lane);
+    acc = lane_mix(acc, int_hash_s(content));
+    return (uint64_t)tuple_end(acc, 2) & KEY_MASK;
+}
+
+static inline uint64_t
+chain_step(uint64_t prev, int64_t content)
+{
+    return chain_step_lane(int_hash_u(prev), content);
+}
+
+static PyObject *
+py_chain_keys(PyObject *self, PyObject *args)
+{
+    PyObject *tokens, *parent;
+    Py_ssize_t bs;
+    if (!PyArg_ParseTuple(args, "OOn:chain_keys", &tokens, &parent, &bs))
+        return NULL;
+    Py_hash_t parent_lane = PyObject_Hash(parent); /* any int parent, as the Python chain takes it */
+    if (parent_lane == -1 && PyErr_Occurred())
+        return NULL;
+    if (bs <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be > 0, got %zd", bs);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(tokens, "tokens must be a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t nblocks = n / bs;
+    PyObject *out = PyList_New(nblocks);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    uint64_t k = 0;
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        uint64_t acc = XXP5;
+        PyObject **it = items + b * bs;
+        for (Py_ssize_t j = 0; j < bs; j++) {
+            Py_hash_t h = PyObject_Hash(it[j]);
+            if (h == -1 && PyErr_Occurred()) {
+                Py_DECREF(seq);
+                Py_DECREF(out);
+                return NULL;
+            }
+            acc = lane_mix(acc, (int64_t)h);
+        }
+        k = b ? chain_step(k, tuple_end(acc, (uint64_t)bs))
+              : chain_step_lane((int64_t)parent_lane, tuple_end(acc, (uint64_t)bs));
+        PyObject *key = PyLong_FromUnsignedLongLong(k);
+        if (key == NULL) {
+            Py_DECREF(seq);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, b, key);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+/* ------------------------------------------------------------------ msgpack reading */
+
+typedef struct {
+    const uint8_t *p;
+    const uint8_t *end;
+} Rd;
+
+#define NEED(r, n) ((size_t)((r)->end - (r)->p) >= (size_t)(n))
+
+static inline uint16_t be16(const uint8_t *p) { return (uint16_t)((p[0] << 8) | p[1]); }
+static inline uint32_t be32(const uint8_t *p)
+{
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+static inline uint64_t be64(const uint8_t *p) { return ((uint64_t)be32(p) << 32) | be32(p + 4); }
+
+/* An integer: returns 1 (unsigned value in *u), 2 (negative value in *s), 0 not an int, -1 truncated */
+static inline int
+rd_int(Rd *r, uint64_t *u, int64_t *s)
+{
+    if (!NEED(r, 1))
+        return -1;
+    uint8_t c = *r->p;
+    if (c <= 0x7f) {
+        r->p++;
+        *u = c;
+        return 1;
+    }
+    if (c >= 0xe0) {
+        r->p++;
+        *s = (int8_t)c;
+        return 2;
+    }
+    switch (c) {
+    case 0xcc:
+        if (!NEED(r, 2)) return -1;
+        *u = r->p[1]; r->p += 2; return 1;
+    case 0xcd:
+        if (!NEED(r, 3)) return -1;
+        *u = be16(r->p + 1); r->p += 3; return 1;
+    case 0xce:
+        if (!NEED(r, 5)) return -1;
+        *u = be32(r->p + 1); r->p += 5; return 1;
+    case 0xcf:
+        if (!NEED(r, 9)) return -1;
+        *u = be64(r->p + 1); r->p += 9; return 1;
+    case 0xd0:
+        if (!NEED(r, 2)) return -1;
+        *s = (int8_t)r->p[1]; r->p += 2; break;
+    case 0xd1:
+        if (!NEED(r, 3)) return -1;
+        *s = (int16_t)be16(r->p + 1); r->p += 3; break;
+    case 0xd2:
+        if (!NEED(r, 5)) return -1;
+        *s = (int32_t)be32(r->p + 1); r->p += 5; break;
+    case 0xd3:
+        if (!NEED(r, 9)) return -1;
+        *s = (int64_t)be64(r->p + 1); r->p += 9; break;
+    default:
+        return 0;
+    }
+    if (*s >= 0) {
+        *u = (uint64_t)*s;
+        return 1;
+    }
+    return 2;
+}
+
+/* array/map header: returns the count, -1 if not that kind or truncated */
+static inline int64_t
+rd_container(Rd *r, int want_map)
+{
+    if (!NEED(r, 1))
+        return -1;
+    uint8_t c = *r->p;
+    uint8_t fix = want_map ? 0x80 : 0x90, h16 = want_map ? 0xde : 0xdc, h32 = want_map ? 0xdf : 0xdd;
+    if ((c & 0xf0) == fix) {
+        r->p++;
+        return c & 0x0f;
+    }
+    if (c == h16) {
+        if (!NEED(r, 3)) return -1;
+        int64_t n = be16(r->p + 1);
+        r->p += 3;
+        return n;
+    }
+    if (c == h32) {
+        if (!NEED(r, 5)) return -1;
+        int64_t n = be32(r->p + 1);
+        r->p += 5;
+        return n;
+    }
+    return -1;
+}
+
+static int
+utf8_ok(const uint8_t *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        uint8_t c = s[i];
+        if (c < 0x80) { i++; continue; }
+        size_t len;
+        uint32_t cp;
+        if ((c & 0xe0) == 0xc0) { len = 2; cp = c & 0x1f; }
+        else if ((c & 0xf0) == 0xe0) { len = 3; cp = c & 0x0f; }
+        else if ((c & 0xf8) == 0xf0) { len = 4; cp = c & 0x07; }
+        else return 0;
+        if (i + len > n) return 0;
+        for (size_t j = 1; j < len; j++) {
+            if ((s[i + j] & 0xc0) != 0x80) return 0;
+            cp = (cp << 6) | (s[i + j] & 0x3f);
+        }
+        if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10ffff)))
+            return 0;
+        if (cp >= 0xd800 && cp <= 0xdfff) return 0;
+        i += len;
+    }
+    return 1;
+}
+
+/* a str: 1 (valid UTF-8; *s, *n set), 0 not a str or not valid UTF-8, -1 truncated */
+static inline int
+rd_str(Rd *r, const uint8_t **s, size_t *n)
+{
+    if (!NEED(r, 1))
+        return -1;
+    uint8_t c = *r->p;
+    size_t len, hdr;
+    if ((c & 0xe0) == 0xa0) { len = c & 0x1f; hdr = 1; }
+    else if (c == 0xd9) { if (!NEED(r, 2)) return -1; len = r->p[1]; hdr = 2; }
+    else if (c == 0xda) { if (!NEED(r, 3)) return -1; len = be16(r->p + 1); hdr = 3; }
+    else if (c == 0xdb) { if (!NEED(r, 5)) return -1; len = be32(r->p + 1); hdr = 5; }
+    else return 0;
+    if (!NEED(r, hdr + len))
+        return -1;
+    *s = r->p + hdr;
+    *n = len;
+    if (!utf8_ok(*s, len))
+        return 0;
+    r->p += hdr + len;
+    return 1;
+}
+
+static inline int
+rd_nil(Rd *r)
+{
+    if (NEED(r, 1) && *r->p == 0xc0) {
+        r->p++;
+        return 1;
+    }
+    return 0;
+}
+
+/* Skip one value of plain data (what msgspec decodes as Any without surprises): nil, bools,
+ * ints, floats, valid str, bin, arrays, maps with str or int keys. Anything else (ext types,
+ * deep nesting, truncation) returns 0: the caller hands the batch to Python. */
+static int
+skip_plain(Rd *r, int depth)
+{
+    if (depth > 32 || !NEED(r, 1))
+        return 0;
+    uint8_t c = *r->p;
+    uint64_t u;
+    int64_t s;
+    const uint8_t *str;
+    size_t n;
+    if (c == 0xc0 || c == 0xc2 || c == 0xc3) { r->p++; return 1; }
+    if (c == 0xca) { if (!NEED(r, 5)) return 0; r->p += 5; return 1; }
+    if (c == 0xcb) { if (!NEED(r, 9)) return 0; r->p += 9; return 1; }
+    if (c <= 0x7f || c >= 0xe0 || (c >= 0xcc && c <= 0xd3))
+        return rd_int(r, &u, &s) > 0;
+    if ((c & 0xe0) == 0xa0 || (c >= 0xd9 && c <= 0xdb))
+        return rd_str(r, &str, &n) == 1;
+    if (c >= 0xc4 && c <= 0xc6) {
+        size_t hdr = c == 0xc4 ? 2 : c == 0xc5 ? 3 : 5;
+        if (!NEED(r, hdr)) return 0;
+        size_t len = c == 0xc4 ? r->p[1] : c == 0xc5 ? be16(r->p + 1) : be32(r->p + 1);
+        if (!NEED(r, hdr + len)) return 0;
+        r->p += hdr + len;
+        return 1;
+    }
+    if ((c & 0xf0) == 0x90 || c == 0xdc || c == 0xdd) {
+        int64_t cnt = rd_container(r, 0);
+        if (cnt < 0) return 0;
+        for (int64_t i = 0; i < cnt; i++)
+            if (!skip_plain(r, depth + 1)) return 0;
+        return 1;
+    }
+    if ((c & 0xf0) == 0x80 || c == 0xde || c == 0xdf) {
+        int64_t cnt = rd_container(r, 1);
+        if (cnt < 0) return 0;
+        for (int64_t i = 0; i < cnt; i++) {
+            if (!NEED(r, 1)) return 0;
+            uint8_t k = *r->p;
+            int is_str = (k & 0xe0) == 0xa0 || (k >= 0xd9 && k <= 0xdb);
+            int is_int = k <= 0x7f || k >= 0xe0 || (k >= 0xcc && k <= 0xd3);
+            if (!(is_str || is_int) || !skip_plain(r, depth + 1) || !skip_plain(r, depth + 1))
+                return 0;
+        }
+        return 1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ events */
+
+enum { EV_STORED = 1, EV_REMOVED = 2, EV_CLEARED = 3 };
+
+typedef struct {
+    int type;
+    int slow;                /* needs the general Python path */
+    const uint8_t *hashes;   /* first element of block_hashes (all ints) */
+    uint32_t n_hashes;
+    int parent_kind;         /* 0 nil, 1 unsigned, 2 negative */
+    uint64_t parent_u;
+    int64_t parent_s;
+    const uint8_t *toks;     /* first element of token_ids (all ints) */
+    uint32_t n_toks;
+    int64_t block_size;
+    int lora;                /* lora_id or lora_name set */
+    const uint8_t *medium;   /* NULL: nil */
+    size_t medium_len;
+    int ignored_group;       /* group_idx not None/0 */
+} Ev;
+
+/* field ids */
+enum {
+    F_TYPE, F_HASHES, F_PARENT, F_TOKS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP,
+    F_SPEC_KIND, F_SPEC_WINDOW, F_LOCALITY, F_OWNERSHIP, F_SESSION, F_LOOKAHEAD, F_UNKNOWN
+};
+
+static int
+field_id(const uint8_t *s, size_t n)
+{
+#define IS(lit) (n == sizeof(lit) - 1 && memcmp(s, lit, n) == 0)
+    if (IS("type")) return F_TYPE;
+    if (IS("block_hashes")) return F_HASHES;
+    if (IS("parent_block_hash")) return F_PARENT;
+    if (IS("token_ids")) return F_TOKS;
+    if (IS("block_size")) return F_BS;
+    if (IS("lora_id")) return F_LORA_ID;
+    if (IS("medium")) return F_MEDIUM;
+    if (IS("lora_name")) return F_LORA_NAME;
+    if (IS("extra_keys")) return F_EXTRA;
+    if (IS("group_idx")) return F_GROUP;
+    if (IS("kv_cache_spec_kind")) return F_SPEC_KIND;
+    if (IS("kv_cache_spec_sliding_window")) return F_SPEC_WINDOW;
+    if (IS("locality")) return F_LOCALITY;
+    if (IS("ownership")) return F_OWNERSHIP;
+    if (IS("session_id")) return F_SESSION;
+    if (IS("lookahead_token_ids")) return F_LOOKAHEAD;
+    return F_UNKNOWN;
+#undef IS
+}
+
+/* array of ints: count, or -1 (not an array of ints) */
+static int64_t
+rd_int_array(Rd *r, const uint8_t **first)
+{
+    int64_t n = rd_container(r, 0);
+    if (n < 0)
+        return -1;
+    *first = r->p;
+    uint64_t u;
+    int64_t s;
+    for (int64_t i = 0; i < n; i++)
+        if (rd_int(r, &u, &s) <= 0)
+            return -1;
+    return n;
+}
+
+static int
+rd_opt_int(Rd *r, int *is_set, uint64_t *u, int64_t *s)
+{
+    if (rd_nil(r)) {
+        *is_set = 0;
+        return 1;
+    }
+    *is_set = 1;
+    return rd_int(r, u, s) > 0;
+}
+
+static int
+rd_opt_str(Rd *r, const uint8_t **s, size_t *n)
+{
+    if (rd_nil(r)) {
+        *s = NULL;
+        *n = 0;
+        return 1;
+    }
+    return rd_str(r, s, n) == 1;
+}
+
+/* One event map into *ev. 1: understood (ev->slow may still be set), 0: hand the batch to Python. */
+static int
+parse_event(Rd *r, Ev *ev)
+{
+    int64_t nf = rd_container(r, 1);
+    if (nf < 0)
+        return 0;
+    memset(ev, 0, sizeof(*ev));
+    uint32_t seen = 0;
+    const uint8_t *s;
+    size_t n;
+    uint64_t u;
+    int64_t sv;
+    int set;
+    for (int64_t i = 0; i < nf; i++) {
+        /* a field name: a known one is plain ASCII by construction (no UTF-8 check needed) */
+        if (!NEED(r, 1))
+            return 0;
+        uint8_t h = *r->p;
+        int f;
+        if ((h & 0xe0) == 0xa0 && NEED(r, 1 + (size_t)(h & 0x1f)) &&
+            (f = field_id(r->p + 1, h & 0x1f)) != F_UNKNOWN) {
+            r->p += 1 + (h & 0x1f);
+        } else {
+            if (rd_str(r, &s, &n) != 1)
+                return 0;
+            f = field_id(s, n);
+        }
+        if (f != F_UNKNOWN) {
+            if (seen & (1u << f))
+                return 0; /* duplicate field */
+            seen |= 1u << f;
+        }
+        switch (f) {
+        case F_TYPE:
+            if (rd_str(r, &s, &n) != 1)
+                return 0;
+            if (n == 11 && memcmp(s, "BlockStored", 11) == 0) ev->type = EV_STORED;
+            else if (n == 12 && memcmp(s, "BlockRemoved", 12) == 0) ev->type = EV_REMOVED;
+            else if (n == 16 && memcmp(s, "AllBlocksCleared", 16) == 0) ev->type = EV_CLEARED;
+            else return 0;
+            break;
+        case F_HASHES: {
+            int64_t c = rd_int_array(r, &ev->hashes);
+            if (c < 0 || c > 0x7fffffff)
+                return 0; /* bytes hashes (or anything else): Python */
+            ev->n_hashes = (uint32_t)c;
+            break;
+        }
+        case F_PARENT:
+            if (rd_nil(r))
+                ev->parent_kind = 0;
+            else {
+                int k = rd_int(r, &ev->parent_u, &ev->parent_s);
+                if (k <= 0)
+                    return 0;
+                ev->parent_kind = k;
+            }
+            break;
+        case F_TOKS: {
+            int64_t c = rd_int_array(r, &ev->toks);
+            if (c < 0 || c > 0x7fffffff)
+                return 0;
+            ev->n_toks = (uint32_t)c;
+            break;
+        }
+        case F_BS: {
+            int k = rd_int(r, &u, &sv);
+            if (k <= 0)
+                return 0;
+            ev->block_size = k == 1 ? (u > (uint64_t)INT64_MAX ? -1 : (int64_t)u) : sv;
+            break;
+        }
+        case F_LORA_ID:
+            if (!rd_opt_int(r, &set, &u, &sv))
+                return 0;
+            ev->lora |= set;
+            break;
+        case F_MEDIUM:
+            if (!rd_opt_str(r, &ev->medium, &ev->medium_len))
+                return 0;
+            break;
+        case F_LORA_NAME:
+            if (!rd_opt_str(r, &s, &n))
+                return 0;
+            ev->lora |= s != NULL;
+            break;
+        case F_GROUP:
+            if (!rd_nil(r)) {
+                int k = rd_int(r, &u, &sv);
+                if (k <= 0)
+                    return 0;
+                ev->ignored_group = !(k == 1 && u == 0); /* indexed groups: None and 0 */
+            }
+            break;
+        case F_SPEC_KIND:
+        case F_LOCALITY:
+        case F_OWNERSHIP:
+        case F_SESSION:
+            if (!rd_opt_str(r, &s, &n))
+                return 0;
+            break;
+        case F_SPEC_WINDOW:
+            if (!rd_opt_int(r, &set, &u, &sv))
+                return 0;
+            break;
+        case F_EXTRA:
+            if (!rd_nil(r)) {
+                if (!NEED(r, 1))
+                    return 0;
+                uint8_t c = *r->p;
+                if (!((c & 0xf0) == 0x90 || c == 0xdc || c == 0xdd) || !skip_plain(r, 0))
+                    return 0;
+            }
+            break;
+        case F_LOOKAHEAD:
+            if (!rd_nil(r)) {
+                int64_t c = rd_container(r, 0);
+                if (c < 0)
+                    return 0;
+                const uint8_t *first;
+                for (int64_t j = 0; j < c; j++)
+                    if (rd_int_array(r, &first) < 0)
+                        return 0;
+            }
+            break;
+        default:
+            if (!skip_plain(r, 0))
+                return 0;
+        }
+    }
+    /* required fields, as the typed decoder wants them; a release that lacked some goes to Python */
+    const uint32_t stored_req = (1u << F_TYPE) | (1u << F_HASHES) | (1u << F_PARENT) | (1u << F_TOKS) |
+                                (1u << F_BS) | (1u << F_LORA_ID) | (1u << F_MEDIUM) | (1u << F_LORA_NAME);
+    const uint32_t stored_ok = stored_req | (1u << F_EXTRA) | (1u << F_GROUP) | (1u << F_SPEC_KIND) |
+                               (1u << F_SPEC_WINDOW) | (1u << F_LOCALITY) | (1u << F_OWNERSHIP) |
+                               (1u << F_SESSION) | (1u << F_LOOKAHEAD);
+    const uint32_t removed_req = (1u << F_TYPE) | (1u << F_HASHES) | (1u << F_MEDIUM);
+    const uint32_t removed_ok = removed_req | (1u << F_GROUP) | (1u << F_LOCALITY) | (1u << F_OWNERSHIP);
+    switch (ev->type) {
+    case EV_STORED:
+        return (seen & stored_req) == stored_req && (seen & ~stored_ok) == 0;
+    case EV_REMOVED:
+        return (seen & removed_req) == removed_req && (seen & ~removed_ok) == 0;
+    case EV_CLEARED:
+        /* a field of another event type would be rejected by the typed decoder? Python decides */
+        return seen == (1u << F_TYPE);
+    default:
+        return 0;
+    }
+}
+
+/* ------------------------------------------------------------------ applying */
+
+typedef struct {
+    /* from the context */
+    PyObject *lmap, *masks, *parents, *intern, *seed, *tier_names, *bits, *store_chunk, *remove_one;
+    Py_ssize_t n_tiers;
+    int64_t C;
+    int odd;
+    int64_t block_size;
+    uint64_t token_tiers;
+    int64_t entries, max_entries, moves, compact_every;
+    /* tallies */
+    Py_ssize_t events, blocks_stored, offload_blocks, blocks_removed, remove_unknown, ignored;
+    int64_t added, moved, removed;
+} Ctx;
+
+static PyObject *
+hash_obj(const uint8_t **pp)
+{
+    Rd r = {*pp, *pp + 9};
+    uint64_t u = 0;
+    int64_t s = 0;
+    int k = rd_int(&r, &u, &s);
+    *pp = r.p;
+    return k == 1 ? PyLong_FromUnsignedLongLong(u) : PyLong_FromLongLong(s);
+}
+
+static int
+tier_of(Ctx *c, const uint8_t *medium, size_t len)
+{
+    if (medium == NULL) {
+        medium = (const uint8_t *)"GPU";
+        len = 3;
+    }
+    for (Py_ssize_t t = 0; t < c->n_tiers; t++) {
+        Py_ssize_t n;
+        const char *name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(c->tier_names, t), &n);
+        if (name != NULL && (size_t)n == len && memcmp(name, medium, len) == 0)
+            return (int)t;
+    }
+    PyErr_Clear();
+    return -1;
+}
+
+/* What setting one bit did to the last mask object seen: keys of one document held by the
+ * same pods share one interned mask, so consecutive keys mostly hit. */
+typedef struct {
+    PyObject *bit;      /* borrowed (from the context's bits tuple) */
+    PyObject *bit_i;    /* owned: the interned mask holding only `bit`, made when first needed */
+    PyObject *last_m;   /* borrowed: a mask object seen before (kept alive by `intern`) */
+    PyObject *last_nm;  /* borrowed: what it became (interned) */
+    int last_fresh;
+} BitSet;
+
+static void bitset_init(BitSet *b, PyObject *bit) { memset(b, 0, sizeof(*b)); b->bit = bit; }
+static void bitset_done(BitSet *b) { Py_XDECREF(b->bit_i); }
+
+/* masks[k] |= bit, moving k to the LRU end (pop, then set, as the Python path does);
+ * returns 1 if the bit is new for k, 0 if it was there, -1 on error */
+static int
+set_bit(Ctx *c, BitSet *b, PyObject *k)
+{
+    PyObject *m = PyDict_GetItemWithError(c->masks, k);
+    PyObject *nm;
+    int fresh;
+    if (m == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        if (b->bit_i == NULL) {
+            PyObject *bi = PyDict_SetDefault(c->intern, b->bit, b->bit);
+            if (bi == NULL)
+                return -1;
+            Py_INCREF(bi);
+            b->bit_i = bi;
+        }
+        nm = b->bit_i;
+        fresh = 1;
+        Py_INCREF(nm);
+    } else {
+        if (m == b->last_m) {
+            nm = b->last_nm;
+            fresh = b->last_fresh;
+            Py_INCREF(nm);
+        } else {
+            PyObject *o = PyNumber_Or(m, b->bit);
+            if (o == NULL)
+                return -1;
+            int same = PyObject_RichCompareBool(o, m, Py_EQ);
+            if (same < 0) {
+                Py_DECREF(o);
+                return -1;
+            }
+            fresh = !same;
+            nm = PyDict_SetDefault(c->intern, o, o);
+            Py_DECREF(o);
+            if (nm == NULL)
+                return -1;
+            Py_INCREF(nm);
+            /* m may be a mask not (yet) held by intern: only cache interned ones */
+            if (PyDict_GetItemWithError(c->intern, m) == m) {
+                b->last_m = m;
+                b->last_nm = nm;
+                b->last_fresh = fresh;
+            } else if (PyErr_Occurred()) {
+                Py_DECREF(nm);
+                return -1;
+            }
+        }
+        if (PyDict_DelItem(c->masks, k) < 0) {
+            Py_DECREF(nm);
+            return -1;
+        }
+    }
+    int rc = PyDict_SetItem(c->masks, k, nm);
+    Py_DECREF(nm);
+    return rc < 0 ? -1 : fresh;
+}
+
+/* Python's int for a learned value, or NULL with no error if absent */
+static inline PyObject *
+lget(Ctx *c, PyObject *h)
+{
+    return PyDict_GetItemWithError(c->lmap, h);
+}
+
+#define SLOW 1
+#define BOOKKEEP 2
+#define ERR -1
+
+static int
+bookkeeping_due(Ctx *c)
+{
+    return c->moves >= c->compact_every || c->entries > c->max_entries ||
+           PyDict_GET_SIZE(c->masks) > c->max_entries;
+}
+
+static int
+apply_stored_gpu(Ctx *c, Ev *ev, int tier)
+{
+    Py_ssize_t n = ev->n_hashes;
+    PyObject *pv = NULL; /* borrowed or owned below */
+    int own_pv = 0;
+    if (ev->parent_kind == 0) {
+        if (ev->lora)
+            return SLOW;
+        pv = c->seed;
+    } else {
+        PyObject *ph = ev->parent_kind == 1 ? PyLong_FromUnsignedLongLong(ev->parent_u)
+                                            : PyLong_FromLongLong(ev->parent_s);
+        if (ph == NULL)
+            return ERR;
+        pv = PyDict_GetItemWithError(c->lmap, ph);
+        Py_DECREF(ph);
+        if (pv == NULL)
+            return PyErr_Occurred() ? ERR : SLOW; /* orphan: the Python path counts it */
+        if (!PyLong_CheckExact(pv))
+            return SLOW;
+        Py_INCREF(pv);
+        own_pv = 1;
+    }
+    int rc = ERR;
+    PyObject **hashes = PyMem_Malloc(sizeof(PyObject *) * 2 * (size_t)n);
+    if (hashes == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    PyObject **keys = hashes + n;
+    Py_ssize_t made_h = 0, made_k = 0;
+    const uint8_t *hp = ev->hashes;
+    for (; made_h < n; made_h++) {
+        hashes[made_h] = hash_obj(&hp);
+        if (hashes[made_h] == NULL)
+            goto free;
+    }
+    /* already learned (e.g. from another pod): take the keys, no hashing */
+    int learned = 0;
+    PyObject *first = lget(c, hashes[0]);
+    if (first == NULL && PyErr_Occurred())
+        goto free;
+    if (first != NULL) {
+        learned = 1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *v = lget(c, hashes[i]);
+            if (v == NULL) {
+                if (PyErr_Occurred())
+                    goto free;
+                learned = 0;
+                break;
+            }
+            if (c->odd && !PyLong_CheckExact(v)) {
+                learned = 0;
+                break;
+            }
+            keys[i] = v; /* borrowed for now */
+        }
+        if (learned) {
+            for (Py_ssize_t i = 0; i < n; i++)
+                Py_INCREF(keys[i]);
+            made_k = n;
+        }
+    }
+    if (!learned) {
+        uint64_t k = PyLong_AsUnsignedLongLong(pv);
+        if (k == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            rc = SLOW; /* a parent value this chain cannot continue from: Python decides */
+            goto free;
+        }
+        const uint8_t *tp = ev->toks;
+        int64_t C = c->C;
+        for (; made_k < n; made_k++) {
+            uint64_t acc = XXP5;
+            for (int64_t j = 0; j < C; j++) {
+                Rd r = {tp, tp + 9};
+                uint64_t u;
+                int64_t s;
+                int kind = rd_int(&r, &u, &s);
+                tp = r.p;
+                acc = lane_mix(acc, kind == 1 ? int_hash_u(u) : int_hash_s(s));
+            }
+            k = chain_step(k, tuple_end(acc, (uint64_t)C));
+            keys[made_k] = PyLong_FromUnsignedLongLong(k);
+            if (keys[made_k] == NULL)
+                goto free;
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (PyDict_SetItem(c->lmap, hashes[i], keys[i]) < 0)
+                goto free;
+    }
+    c->block_size = c->C;
+    c->token_tiers |= (uint64_t)1 << tier;
+    c->blocks_stored += n;
+    /* index.add_chain(keys, bit, None if no parent else pv) */
+    BitSet b;
+    bitset_init(&b, PyTuple_GET_ITEM(c->bits, tier));
+    PyObject *prev = ev->parent_kind == 0 ? NULL : pv;
+    int64_t fresh = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (prev != NULL && PyDict_SetItem(c->parents, keys[i], prev) < 0) {
+            bitset_done(&b);
+            goto free;
+        }
+        prev = keys[i];
+        int f = set_bit(c, &b, keys[i]);
+        if (f < 0) {
+            bitset_done(&b);
+            goto free;
+        }
+        fresh += f;
+    }
+    bitset_done(&b);
+    c->added += fresh;
+    c->entries += fresh;
+    c->moved += n;
+    c->moves += n;
+    rc = 0;
+free:
+    for (Py_ssize_t i = 0; i < made_h; i++)
+        Py_DECREF(hashes[i]);
+    for (Py_ssize_t i = 0; i < made_k; i++)
+        Py_DECREF(keys[i]);
+    PyMem_Free(hashes);
+out:
+    if (own_pv)
+        Py_DECREF(pv);
+    return rc;
+}
+
+static int
+apply_stored_offload(Ctx *c, Ev *ev, int tier)
+{
+    Py_ssize_t n = ev->n_hashes;
+    long chunk = PyLong_AsLong(PyTuple_GET_ITEM(c->store_chunk, tier));
+    /* 0: one key per hash; 1: one key per hash if the event has at most one hash (else the
+     * chunk length is inferred in Python); 2: Python */
+    if (chunk == 2 || (chunk == 1 && n > 1))
+        return SLOW;
+    if (c->block_size != c->C || c->odd)
+        return SLOW;
+    PyObject **keys = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        return ERR;
+    }
+    int rc = ERR;
+    Py_ssize_t got = 0;
+    const uint8_t *hp = ev->hashes;
+    for (; got < n; got++) {
+        PyObject *h = hash_obj(&hp);
+        if (h == NULL)
+            goto free;
+        PyObject *v = lget(c, h);
+        Py_DECREF(h);
+        if (v == NULL) {
+            rc = PyErr_Occurred() ? ERR : SLOW; /* not joinable yet: held by the Python path */
+            goto free;
+        }
+        Py_INCREF(v);
+        keys[got] = v;
+    }
+    c->offload_blocks += n;
+    BitSet b;
+    bitset_init(&b, PyTuple_GET_ITEM(c->bits, tier));
+    int64_t fresh = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int f = set_bit(c, &b, keys[i]);
+        if (f < 0) {
+            bitset_done(&b);
+            goto free;
+        }
+        fresh += f;
+    }
+    bitset_done(&b);
+    c->added += fresh;
+    c->entries += fresh;
+    c->moved += n;
+    c->moves += n;
+    rc = 0;
+free:
+    for (Py_ssize_t i = 0; i < got; i++)
+        Py_DECREF(keys[i]);
+    PyMem_Free(keys);
+    return rc;
+}
+
+static int
+apply_removed(Ctx *c, Ev *ev, int tier)
+{
+    /* one key per hash: a token tier with engine blocks no larger than a canonical block, or an
+     * offload tier whose chunks are one key; anything else in Python */
+    int token_tier = (c->token_tiers >> tier) & 1 || (tier == 0 && c->token_tiers == 0);
+    if (c->block_size / c->C > 1)
+        return SLOW;
+    if (!token_tier && !PyObject_IsTrue(PyTuple_GET_ITEM(c->remove_one, tier)))
+        return SLOW;
+    Py_ssize_t n = ev->n_hashes;
+    PyObject *bit = PyTuple_GET_ITEM(c->bits, tier);
+    /* check first: every learned value must be a plain key */
+    const uint8_t *hp = ev->hashes;
+    PyObject **vals = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
+    if (vals == NULL) {
+        PyErr_NoMemory();
+        return ERR;
+    }
+    int rc = ERR;
+    Py_ssize_t got = 0;
+    for (; got < n; got++) {
+        PyObject *h = hash_obj(&hp);
+        if (h == NULL)
+            goto free;
+        PyObject *v = lget(c, h);
+        Py_DECREF(h);
+        if (v == NULL && PyErr_Occurred())
+            goto free;
+        if (v != NULL && !PyLong_CheckExact(v)) {
+            rc = SLOW;
+            goto free;
+        }
+        Py_XINCREF(v);
+        vals[got] = v;
+    }
+    int64_t gone = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = vals[i];
+        if (k == NULL) {
+            c->remove_unknown++;
+            continue;
+        }
+        c->blocks_removed++;
+        PyObject *m = PyDict_GetItemWithError(c->masks, k);
+        if (m == NULL) {
+            if (PyErr_Occurred())
+                goto free;
+            continue;
+        }
+        PyObject *a = PyNumber_And(m, bit);
+        if (a == NULL)
+            goto free;
+        int has = PyObject_IsTrue(a);
+        Py_DECREF(a);
+        if (!has)
+            continue;
+        PyObject *o = PyNumber_Xor(m, bit);
+        if (o == NULL)
+            goto free;
+        PyObject *nm = PyDict_SetDefault(c->intern, o, o);
+        Py_XINCREF(nm);
+        Py_DECREF(o);
+        if (nm == NULL)
+            goto free;
+        int r = PyDict_SetItem(c->masks, k, nm);
+        Py_DECREF(nm);
+        if (r < 0)
+            goto free;
+        gone++;
+    }
+    c->removed += gone;
+    c->entries -= gone;
+    rc = 0;
+free:
+    for (Py_ssize_t i = 0; i < got; i++)
+        Py_XDECREF(vals[i]);
+    PyMem_Free(vals);
+    return rc;
+}
+
+static int
+ctx_from(PyObject *t, Ctx *c)
+{
+    /* (lmap, masks, parents, intern, seed, C, odd, block_size, token_tiers, tier_names, bits,
+     *  store_chunk, remove_one, entries, max_entries, moves, compact_every) */
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 17) {
+        PyErr_SetString(PyExc_TypeError, "fastpath context: a 17-tuple expected");
+        return -1;
+    }
+    memset(c, 0, sizeof(*c));
+    c->lmap = PyTuple_GET_ITEM(t, 0);
+    c->masks = PyTuple_GET_ITEM(t, 1);
+    c->parents = PyTuple_GET_ITEM(t, 2);
+    c->intern = PyTuple_GET_ITEM(t, 3);
+    c->seed = PyTuple_GET_ITEM(t, 4);
+    c->C = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 5));
+    c->odd = PyObject_IsTrue(PyTuple_GET_ITEM(t, 6));
+    c->block_size = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 7));
+    c->token_tiers = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 8));
+    c->tier_names = PyTuple_GET_ITEM(t, 9);
+    c->bits = PyTuple_GET_ITEM(t, 10);
+    c->store_chunk = PyTuple_GET_ITEM(t, 11);
+    c->remove_one = PyTuple_GET_ITEM(t, 12);
+    c->entries = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 13));
+    c->max_entries = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 14));
+    c->moves = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 15));
+    c->compact_every = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 16));
+    if (PyErr_Occurred())
+        return -1;
+    if (!PyDict_CheckExact(c->lmap) || !PyDict_CheckExact(c->masks) || !PyDict_CheckExact(c->parents) ||
+        !PyDict_CheckExact(c->intern) || !PyLong_CheckExact(c->seed) || !PyTuple_Check(c->tier_names) ||
+        !PyTuple_Check(c->bits) || !PyTuple_Check(c->store_chunk) || !PyTuple_Check(c->remove_one) ||
+        c->C <= 0) {
+        PyErr_SetString(PyExc_TypeError, "fastpath context: wrong types");
+        return -1;
+    }
+    c->n_tiers = PyTuple_GET_SIZE(c->tier_names);
+    if (PyTuple_GET_SIZE(c->bits) != c->n_tiers || PyTuple_GET_SIZE(c->store_chunk) != c->n_tiers ||
+        PyTuple_GET_SIZE(c->remove_one) != c->n_tiers || c->n_tiers > 63) {
+        PyErr_SetString(PyExc_TypeError, "fastpath context: per-tier tuples of unequal length");
+        return -1;
+    }
+    return 0;
+}
+
+#define MAX_EVENTS_ON_STACK 64
+
+static PyObject *
+py_apply(PyObject *self, PyObject *args)
+{
+    Py_buffer buf;
+    Py_ssize_t start;
+    PyObject *ctx_fn, *pod, *model;
+    if (!PyArg_ParseTuple(args, "y*nOOO:apply", &buf, &start, &ctx_fn, &pod, &model))
+        return NULL;
+    PyObject *result = NULL;
+    Ev stack_evs[MAX_EVENTS_ON_STACK];
+    Ev *evs = stack_evs;
+    Rd r = {(const uint8_t *)buf.buf, (const uint8_t *)buf.buf + buf.len};
+    /* --- check the whole batch before touching anything */
+    int64_t top = rd_container(&r, 0);
+    int64_t nev = -1;
+    PyObject *rank = NULL;
+    if (top == 2 || top == 3) {
+        if (NEED(&r, 1) && (*r.p == 0xcb || *r.p == 0xca)) {
+            r.p += *r.p == 0xcb ? 9 : 5;
+            if (r.p <= r.end)
+                nev = rd_container(&r, 0);
+        }
+    }
+    if (nev < 0)
+        goto to_python;
+    if (nev > MAX_EVENTS_ON_STACK) {
+        if ((uint64_t)nev > (uint64_t)(r.end - r.p)) /* each event takes at least one byte */
+            goto to_python;
+        evs = PyMem_Malloc(sizeof(Ev) * (size_t)nev);
+        if (evs == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    for (int64_t i = 0; i < nev; i++)
+        if (!parse_event(&r, &evs[i]))
+            goto to_python;
+    if (top == 3) {
+        uint64_t u;
+        int64_t s;
+        if (rd_nil(&r)) {
+            rank = Py_None;
+            Py_INCREF(rank);
+        } else {
+            int k = rd_int(&r, &u, &s);
+            if (k <= 0)
+                goto to_python;
+            rank = k == 1 ? PyLong_FromUnsignedLongLong(u) : PyLong_FromLongLong(s);
+            if (rank == NULL)
+                goto done;
+        }
+    } else {
+        rank = Py_None;
+        Py_INCREF(rank);
+    }
+    if (r.p != r.end)
+        goto to_python; /* trailing bytes: the typed decoder rejects them */
+
+    /* --- the endpoint's context */
+    PyObject *t = PyObject_CallFunctionObjArgs(ctx_fn, pod, model, rank, NULL);
+    if (t == NULL)
+        goto done;
+    if (t == Py_None) {
+        Py_DECREF(t);
+        goto to_python;
+    }
+    Ctx c;
+    if (ctx_from(t, &c) < 0) {
+        Py_DECREF(t);
+        goto done;
+    }
+    int status = 0;
+    int64_t i = start < 0 ? 0 : start;
+    for (; i < nev; i++) {
+        Ev *ev = &evs[i];
+        int rc = 0;
+        if (ev->type == EV_CLEARED) {
+            rc = SLOW;
+        } else if (ev->ignored_group) {
+            c.ignored++;
+        } else {
+            int tier = tier_of(&c, ev->medium, ev->medium_len);
+            if (tier < 0)
+                rc = SLOW;
+            else if (ev->type == EV_REMOVED)
+                rc = apply_removed(&c, ev, tier);
+            else if (ev->n_toks) {
+                if (ev->block_size == c.C && ev->n_hashes && (int64_t)ev->n_toks == (int64_t)ev->n_hashes * c.C)
+                    rc = apply_stored_gpu(&c, ev, tier);
+                else
+                    rc = SLOW;
+            } else
+                rc = apply_stored_offload(&c, ev, tier);
+        }
+        if (rc == ERR) {
+            Py_DECREF(t);
+            goto done;
+        }
+        if (rc == SLOW) {
+            status = SLOW;
+            break;
+        }
+        c.events++;
+        if (ev->type == EV_STORED && !ev->ignored_group && bookkeeping_due(&c)) {
+            status = BOOKKEEP;
+            i++;
+            break;
+        }
+    }
+    result = Py_BuildValue("(iLnnnnnnLLLLKO)", status, (long long)i, c.events, c.blocks_stored,
+                           c.offload_blocks, c.blocks_removed, c.remove_unknown, c.ignored,
+                           (long long)c.added, (long long)c.moved, (long long)c.removed,
+                           (long long)c.block_size, (unsigned long long)c.token_tiers, rank);
+    Py_DECREF(t);
+    goto done;
+
+to_python:
+    /* (status 3: the whole batch needs the Python decoder) */
+    result = Py_BuildValue("(iLnnnnnnLLLLKO)", 3, (long long)0, (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0,
+                           (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0, 0LL, 0LL, 0LL, 0LL, 0ULL, Py_None);
+done:
+    Py_XDECREF(rank);
+    if (evs != stack_evs)
+        PyMem_Free(evs);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"chain_keys", py_chain_keys, METH_VARARGS, "Chained router keys of every full block (see consumers.keys)."},
+    {"apply", py_apply, METH_VARARGS, "Apply a KVEventBatch payload's common events (see consumers.ingest)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "consumers._fastpath", "The router's ingest and key hashing in C.", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__fastpath(void)
+{
+    return PyModule_Create(&module);
+}

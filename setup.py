@@ -1,0 +1,19 @@
+"""Build hook for the one optional C extension (metadata lives in pyproject.toml).
+
+``consumers._fastpath`` speeds up the router's ingest and key hashing. It is optional: where
+no C compiler is available the build skips it and the router runs in pure Python
+(``consumers.fastpath_status()`` says which).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "consumers._fastpath",
+            sources=["consumers/_fastpath.c"],
+            optional=True,
+            extra_compile_args=["-O2", "-Wall", "-Wno-unused-variable"],
+        )
+    ]
+)

@@ -1,0 +1,249 @@
+"""The router's C fast path: ``apply_payload`` must leave exactly the state ``apply`` leaves.
+
+Property: random multi-event batches (GPU stores of canonical and double-size engine blocks,
+offloads joined or held, removals, clears, LoRA chain starts, non-indexed groups, two
+data-parallel ranks, budgets small enough to evict, compaction made frequent) fed to one
+router decoded and to another as payloads give the same index (keys in the same LRU order),
+learned hashes, pending holds, endpoints and counters after every batch. Plus: malformed
+payloads change nothing and raise DecodeError, the legacy encoding, the pure-Python
+fallback, and how the extension is loaded and refused.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import consumers.fastingest as fastingest
+import consumers.index as index_mod
+from consumers import KVRouter, RouterConfig, _accel
+from consumers.keys import chain_keys_py
+from kvevents import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, encode_batch
+
+pytestmark = pytest.mark.skipif(fastingest._FAST is None, reason=f"C fast path not in use: {_accel.status()}")
+
+C = 2
+PODS = {"a": 2, "b": 2, "w": 4}  # pod -> engine block size
+SEQ_BLOCKS = 6
+
+
+def ehash(E, prefix):
+    return hash(("E", E) + tuple(prefix)) & (2**64 - 1)
+
+
+def state(r: KVRouter):
+    idx = r._index
+    eps = sorted(
+        (key, ep.slot, ep.block_size, sorted(ep.token_tiers), dict(ep.chunk_keys),
+         {t: dict(d) for t, d in ep.odd_chunks.items()}, ep.unreliable)
+        for key, ep in r._endpoints.items()
+    )
+    return {
+        "masks": list(idx.masks.items()),  # the LRU order too
+        "parents": list(idx.parents.items()),
+        "intern": sorted(idx.intern),
+        "counts": (idx.entries, idx.moves, idx.evicted_keys, idx.evicted_entries, idx.compactions, idx.cap),
+        "learned": {m: list(d.items()) for m, d in r._learned.maps.items()},
+        "learned_size": (r._learned.size, r._learned.evicted),
+        "odd": {m: o[0] for m, o in r._learned.odd.items()},
+        "stats": r.stats.as_dict(),
+        "endpoints": eps,
+        "pending": list(r._pending.items()),
+        "tiers": list(r._tier_names),
+    }
+
+
+@st.composite
+def event(draw, seqs):
+    pod = draw(st.sampled_from(["a", "a", "b", "b", "w"]))
+    E = PODS[pod]
+    seq = draw(st.sampled_from(seqs))
+    nblocks = len(seq) // E
+    hashes = [ehash(E, seq[: (i + 1) * E]) for i in range(nblocks)]
+    kind = draw(st.sampled_from(["store"] * 6 + ["offload"] * 4 + ["remove"] * 3 + ["clear", "odd"]))
+    if kind == "store":
+        start = draw(st.sampled_from([0, 0, draw(st.integers(0, nblocks - 1))]))
+        n = draw(st.integers(1, nblocks - start))
+        parent = None if start == 0 else hashes[start - 1]
+        lora = draw(st.sampled_from([None] * 7 + ["ad1"]))
+        return pod, BlockStored(hashes[start:start + n], parent, list(seq[start * E:(start + n) * E]), E, None,
+                                draw(st.sampled_from(["GPU", "GPU", None])), lora)
+    if kind in ("offload", "remove"):
+        tier = draw(st.sampled_from(["CPU", "STORAGE"] if kind == "offload" else ["GPU", "CPU", "STORAGE"]))
+        idx = draw(st.lists(st.integers(0, nblocks - 1), min_size=1, max_size=4))
+        hs = [hashes[i] for i in idx]
+        if draw(st.integers(0, 9)) == 0:
+            hs.append(draw(st.integers(0, 2**64 - 1)))  # a hash nobody stored
+        if kind == "offload":
+            return pod, BlockStored(hs, None, [], 0, None, tier, None)
+        return pod, BlockRemoved(hs, tier)
+    if kind == "clear":
+        return pod, AllBlocksCleared()
+    odd = draw(st.sampled_from(["group", "tier", "size"]))
+    if odd == "group":  # a kv-cache group the router does not index
+        return pod, BlockStored(hashes[:1], None, list(seq[:E]), E, None, "GPU", None, group_idx=1)
+    if odd == "tier":  # a medium not seen before: a new tier
+        return pod, BlockStored(hashes[:1], None, [], 0, None, "DISK", None)
+    return pod, BlockStored(hashes[:1], None, list(seq[:E]), E, None, "GPU", None, group_idx=0)
+
+
+@st.composite
+def scenario(draw):
+    seqs = draw(st.lists(st.lists(st.integers(1, 3), min_size=SEQ_BLOCKS * 4, max_size=SEQ_BLOCKS * 4),
+                         min_size=1, max_size=3))
+    if len(seqs) > 1 and draw(st.booleans()):
+        cut = draw(st.integers(1, len(seqs[0]) - 1))
+        seqs[1] = seqs[0][:cut] + seqs[1][cut:]
+    evs = draw(st.lists(event(seqs), min_size=1, max_size=30))
+    batches = []  # consecutive events of one pod, 1..4 per batch, rank 0 or 1
+    i = 0
+    while i < len(evs):
+        pod = evs[i][0]
+        n = draw(st.integers(1, 4))
+        group = [e for p, e in evs[i:i + n] if p == pod] or [evs[i][1]]
+        i += max(1, len([1 for p, _ in evs[i:i + n] if p == pod]))
+        action = draw(st.sampled_from(["batch"] * 8 + ["reset", "remove_pod"]))
+        batches.append((pod, action, KVEventBatch(0.0, group, draw(st.sampled_from([None, 0, 1])))))
+    config = dict(
+        block_size=C, model="m",
+        offload_chunk_blocks=draw(st.sampled_from([{}, {"CPU": 1}, {"CPU": 2, "STORAGE": 1}])),
+        max_entries=draw(st.sampled_from([1 << 20, 40, 12])),
+        max_tiers=draw(st.sampled_from([3, 4])),
+    )
+    return batches, config
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenario(), compact_every=st.sampled_from([1 << 16, 7]))
+def test_apply_payload_leaves_exactly_the_state_apply_leaves(sc, compact_every):
+    saved = index_mod._COMPACT_EVERY, fastingest._COMPACT_EVERY
+    index_mod._COMPACT_EVERY = fastingest._COMPACT_EVERY = compact_every
+    try:
+        _check_same_state(*sc)
+    finally:
+        index_mod._COMPACT_EVERY, fastingest._COMPACT_EVERY = saved
+
+
+def _check_same_state(batches, config):
+    slow, fast = KVRouter(RouterConfig(**config)), KVRouter(RouterConfig(**config))
+    for pod, action, batch in batches:
+        if action == "reset":
+            slow.reset_pod(pod)
+            fast.reset_pod(pod)
+        elif action == "remove_pod":
+            slow.remove_pod(pod)
+            fast.remove_pod(pod)
+        slow.apply(pod, batch)
+        fast.apply_payload(pod, encode_batch(batch))
+        assert state(fast) == state(slow), batch
+    prompt = [t for _, _, b in batches[:1] for ev in b.events for t in getattr(ev, "token_ids", [])]
+    assert {p: s.tokens_by_tier for p, s in fast.score(prompt).items()} == \
+        {p: s.tokens_by_tier for p, s in slow.score(prompt).items()}
+
+
+def _stream():
+    toks = list(range(100, 164))
+    hs = [ehash(2, toks[: (i + 1) * 2]) for i in range(32)]
+    return [
+        KVEventBatch(1.0, [BlockStored(hs[:16], None, toks[:32], 2, None, "GPU", None),
+                           BlockStored(hs[16:], hs[15], toks[32:], 2, None, "GPU", None)], 0),
+        KVEventBatch(2.0, [BlockStored(hs[:8], None, [], 0, None, "CPU", None)], 0),
+        KVEventBatch(3.0, [BlockStored(hs[8:12], None, [], 0, None, "CPU", None),
+                           BlockRemoved(hs[20:], "GPU")], 0),
+    ]
+
+
+def test_payloads_take_the_fast_path_and_answer_as_apply():
+    slow, fast = KVRouter(model="m", block_size=2), KVRouter(model="m", block_size=2)
+    calls = []
+    real = fastingest._FAST.apply
+
+    def spy(*a):
+        out = real(*a)
+        calls.append(out[0])
+        return out
+
+    fastingest_fast = fastingest._FAST
+    try:
+        fastingest._FAST = type("F", (), {"apply": staticmethod(spy)})
+        for b in _stream():
+            slow.apply("p", b)
+            fast.apply_payload("p", encode_batch(b))
+    finally:
+        fastingest._FAST = fastingest_fast
+    assert state(fast) == state(slow)
+    # the GPU batch runs in C entirely; the first offload batch's chunk length is inferred in
+    # Python (status 1), after which offload joins and removals run in C too
+    assert calls == [0, 1, 0]
+    assert fast.stats.blocks_stored == 32 and fast.stats.offload_blocks == 12 and fast.stats.blocks_removed == 12
+
+
+@pytest.mark.parametrize("cut", [1, 5, 17, -3, -1])
+def test_a_malformed_payload_raises_decode_error_and_changes_nothing(cut):
+    r = KVRouter(model="m", block_size=2)
+    b0, b1, _ = _stream()
+    r.apply_payload("p", encode_batch(b0))
+    before = state(r)
+    with pytest.raises(DecodeError):
+        r.apply_payload("p", encode_batch(b1)[:cut])
+    assert state(r) == before
+    with pytest.raises(DecodeError):
+        r.apply_payload("p", encode_batch(b1) + b"\x00")  # trailing bytes
+    assert state(r) == before
+
+
+def test_legacy_encoding_and_bytes_hashes_go_through_python_with_the_same_result():
+    slow, fast = KVRouter(model="m", block_size=2), KVRouter(model="m", block_size=2)
+    for b in _stream():
+        slow.apply("p", b)
+        fast.apply_payload("p", encode_batch(b, legacy=True))
+    assert state(fast) == state(slow)
+    b = KVEventBatch(0.0, [BlockStored([b"\x01" * 32], None, [1, 2], 2, None, "GPU", None)], 0)
+    slow.apply("q", b)
+    fast.apply_payload("q", encode_batch(b))
+    assert state(fast) == state(slow)
+
+
+def test_pure_python_fallback_gives_the_same_state(monkeypatch):
+    slow, fast = KVRouter(model="m", block_size=2), KVRouter(model="m", block_size=2)
+    monkeypatch.setattr(fastingest, "_FAST", None)
+    for b in _stream():
+        slow.apply("p", b)
+        fast.apply_payload("p", encode_batch(b))
+    assert state(fast) == state(slow)
+
+
+def test_c_chain_keys_equal_the_python_chain_on_every_int_hash_case():
+    from consumers import _fastpath
+
+    probe = _accel._PROBE * 3
+    for bs in (1, 2, 5, 16):
+        for parent in (0, 1, 2**60 - 1, 2**61 + 3, -5):
+            assert _fastpath.chain_keys(probe, parent, bs) == chain_keys_py(probe, parent, bs)
+    assert _fastpath.chain_keys((1, 2, 3, 4), 7, 2) == chain_keys_py([1, 2, 3, 4], 7, 2)
+    with pytest.raises(ValueError, match="block_size must be > 0"):
+        _fastpath.chain_keys([1], 0, 0)
+    with pytest.raises(TypeError):
+        _fastpath.chain_keys(5, 0, 2)
+
+
+def test_the_extension_is_refused_when_it_disagrees_with_python():
+    class Wrong:
+        @staticmethod
+        def chain_keys(tokens, parent, bs):
+            return [0] * (len(tokens) // bs)
+
+    assert "chain_keys differs" in _accel._self_check(Wrong, chain_keys_py)
+
+
+def test_pure_python_can_be_forced_and_status_says_so():
+    code = "from consumers import _accel, keys, fastingest; print(fastingest._FAST is None, '|', _accel.status())"
+    env = dict(os.environ, KVEVENTS_PURE_PYTHON="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("True |") and "disabled by KVEVENTS_PURE_PYTHON" in out.stdout
