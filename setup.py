@@ -12,6 +12,7 @@ setup(
         Extension(
             "consumers._fastpath",
             sources=["consumers/_fastpath.c"],
+            depends=["consumers/_masktable.h"],
             optional=True,
             extra_compile_args=["-O2", "-Wall", "-Wno-unused-variable"],
         )

@@ -39,11 +39,22 @@ def _self_check(mod: ModuleType, chain_py: Callable) -> str | None:
     n = len(_PROBE) // bs
     hashes = list(range(1000, 1000 + n))
     payload = encode_batch(KVEventBatch(0.0, [BlockStored(hashes, None, _PROBE[: n * bs], bs, None, "GPU", None)], 0))
+    from .index import LearnedMap
+    from .router_config import RouterStats
+
+    mod.bind_counters(RouterStats, LearnedMap)
     lmap: dict = {}
-    ctx = (lmap, {}, {}, {}, 99, bs, False, 0, 0, ("GPU",), (1,), (2,), (False,), 0, 1 << 30, 0, 1 << 30)
-    out = mod.apply(payload, 0, lambda pod, model, rank: ctx, "probe", None)
-    if out[0] != 0 or [lmap.get(h) for h in hashes] != chain_py(_PROBE[: n * bs], 99, bs):
+    table = mod.MaskTable(bits=64)
+    stats, learned = RouterStats(), LearnedMap(1 << 30)
+    ctx = (0, None, lmap, table, {}, 99, bs, [False], 0, 0, ("GPU",), (0,), (2,), (False,), 1 << 30, stats, learned)
+    out = mod.apply(payload, 0, {}, 0, lambda pod, model, rank: ctx, "probe", None)
+    keys = chain_py(_PROBE[: n * bs], 99, bs)
+    if out is None or out[0] != 0 or [lmap.get(h) for h in hashes] != keys:
         return "apply's key hashing differs from the Python chain"
+    if table.items() != [(k, 1) for k in keys]:
+        return "the mask table does not hold what apply stored"
+    if (stats.batches, stats.events, stats.blocks_stored, learned.size) != (1, 1, n, n):
+        return "apply's counters are off"
     return None
 
 

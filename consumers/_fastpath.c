@@ -25,8 +25,20 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
+
+/* u64 from a Python int: PyLong_AsUnsignedLong is a digit loop where unsigned long has 64
+ * bits; PyLong_AsUnsignedLongLong goes through a byte-array conversion (several times slower) */
+#if ULONG_MAX == 0xFFFFFFFFFFFFFFFFULL
+#define AS_U64(o) ((uint64_t)PyLong_AsUnsignedLong(o))
+#else
+#define AS_U64(o) ((uint64_t)PyLong_AsUnsignedLongLong(o))
+#endif
+
+#include "_masktable.h"
 
 /* ------------------------------------------------------------------ CPython's hashes */
 
@@ -583,20 +595,83 @@ parse_event(Rd *r, Ev *ev)
     }
 }
 
+/* ------------------------------------------------------------------ counters */
+
+/* The router's plain-int counters (RouterStats and LearnedMap are slotted classes) are
+ * updated in place, through their slots' offsets, found once by bind_counters(). */
+enum { K_BATCHES, K_EVENTS, K_STORED, K_OFFLOAD, K_REMOVED, K_UNKNOWN, K_IGNORED, K_LEARNED, K_LEARNED_MAX, K_N };
+static const char *counter_names[K_N] = {"batches", "events", "blocks_stored", "offload_blocks", "blocks_removed",
+                                         "remove_unknown", "ignored_group_events", "size", "max_size"};
+static Py_ssize_t counter_off[K_N];
+static PyTypeObject *stats_type, *learned_type;
+
+static PyObject *
+py_bind_counters(PyObject *self, PyObject *args)
+{
+    PyObject *st, *lt;
+    if (!PyArg_ParseTuple(args, "O!O!:bind_counters", &PyType_Type, &st, &PyType_Type, &lt))
+        return NULL;
+    for (int i = 0; i < K_N; i++) {
+        PyObject *d = PyObject_GetAttrString(i < K_LEARNED ? st : lt, counter_names[i]);
+        if (d == NULL)
+            return NULL;
+        int ok = Py_TYPE(d) == &PyMemberDescr_Type &&
+                 ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX;
+        if (ok)
+            counter_off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+        Py_DECREF(d);
+        if (!ok) {
+            PyErr_Format(PyExc_TypeError, "bind_counters: %s is not a slot", counter_names[i]);
+            return NULL;
+        }
+    }
+    Py_XSETREF(stats_type, (PyTypeObject *)Py_NewRef(st));
+    Py_XSETREF(learned_type, (PyTypeObject *)Py_NewRef(lt));
+    Py_RETURN_NONE;
+}
+
+static inline PyObject **
+counter_slot(PyObject *obj, int k)
+{
+    return (PyObject **)((char *)obj + counter_off[k]);
+}
+
+/* obj.<counter k> += delta; -1 with an exception if the slot does not hold an int */
+static int
+counter_add(PyObject *obj, int k, long long delta)
+{
+    if (delta == 0)
+        return 0;
+    PyObject **slot = counter_slot(obj, k);
+    PyObject *old = *slot;
+    if (old == NULL || !PyLong_CheckExact(old)) {
+        PyErr_Format(PyExc_TypeError, "counter %s does not hold an int", counter_names[k]);
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(old);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *nv = PyLong_FromLongLong(v + delta);
+    if (nv == NULL)
+        return -1;
+    *slot = nv;
+    Py_DECREF(old);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ applying */
 
 typedef struct {
     /* from the context */
-    PyObject *lmap, *masks, *parents, *intern, *seed, *tier_names, *bits, *store_chunk, *remove_one;
+    PyObject *ep, *lmap, *parents, *seed, *odd, *tier_names, *bits, *store_chunk, *remove_one, *stats, *learned;
+    MaskTable *table;
     Py_ssize_t n_tiers;
     int64_t C;
-    int odd;
-    int64_t block_size;
-    uint64_t token_tiers;
-    int64_t entries, max_entries, moves, compact_every;
+    int64_t block_size, block_size0;
+    uint64_t token_tiers, token_tiers0;
+    int64_t max_entries;
     /* tallies */
     Py_ssize_t events, blocks_stored, offload_blocks, blocks_removed, remove_unknown, ignored;
-    int64_t added, moved, removed;
 } Ctx;
 
 static PyObject *
@@ -627,80 +702,6 @@ tier_of(Ctx *c, const uint8_t *medium, size_t len)
     return -1;
 }
 
-/* What setting one bit did to the last mask object seen: keys of one document held by the
- * same pods share one interned mask, so consecutive keys mostly hit. */
-typedef struct {
-    PyObject *bit;      /* borrowed (from the context's bits tuple) */
-    PyObject *bit_i;    /* owned: the interned mask holding only `bit`, made when first needed */
-    PyObject *last_m;   /* borrowed: a mask object seen before (kept alive by `intern`) */
-    PyObject *last_nm;  /* borrowed: what it became (interned) */
-    int last_fresh;
-} BitSet;
-
-static void bitset_init(BitSet *b, PyObject *bit) { memset(b, 0, sizeof(*b)); b->bit = bit; }
-static void bitset_done(BitSet *b) { Py_XDECREF(b->bit_i); }
-
-/* masks[k] |= bit, moving k to the LRU end (pop, then set, as the Python path does);
- * returns 1 if the bit is new for k, 0 if it was there, -1 on error */
-static int
-set_bit(Ctx *c, BitSet *b, PyObject *k)
-{
-    PyObject *m = PyDict_GetItemWithError(c->masks, k);
-    PyObject *nm;
-    int fresh;
-    if (m == NULL) {
-        if (PyErr_Occurred())
-            return -1;
-        if (b->bit_i == NULL) {
-            PyObject *bi = PyDict_SetDefault(c->intern, b->bit, b->bit);
-            if (bi == NULL)
-                return -1;
-            Py_INCREF(bi);
-            b->bit_i = bi;
-        }
-        nm = b->bit_i;
-        fresh = 1;
-        Py_INCREF(nm);
-    } else {
-        if (m == b->last_m) {
-            nm = b->last_nm;
-            fresh = b->last_fresh;
-            Py_INCREF(nm);
-        } else {
-            PyObject *o = PyNumber_Or(m, b->bit);
-            if (o == NULL)
-                return -1;
-            int same = PyObject_RichCompareBool(o, m, Py_EQ);
-            if (same < 0) {
-                Py_DECREF(o);
-                return -1;
-            }
-            fresh = !same;
-            nm = PyDict_SetDefault(c->intern, o, o);
-            Py_DECREF(o);
-            if (nm == NULL)
-                return -1;
-            Py_INCREF(nm);
-            /* m may be a mask not (yet) held by intern: only cache interned ones */
-            if (PyDict_GetItemWithError(c->intern, m) == m) {
-                b->last_m = m;
-                b->last_nm = nm;
-                b->last_fresh = fresh;
-            } else if (PyErr_Occurred()) {
-                Py_DECREF(nm);
-                return -1;
-            }
-        }
-        if (PyDict_DelItem(c->masks, k) < 0) {
-            Py_DECREF(nm);
-            return -1;
-        }
-    }
-    int rc = PyDict_SetItem(c->masks, k, nm);
-    Py_DECREF(nm);
-    return rc < 0 ? -1 : fresh;
-}
-
 /* Python's int for a learned value, or NULL with no error if absent */
 static inline PyObject *
 lget(Ctx *c, PyObject *h)
@@ -715,8 +716,13 @@ lget(Ctx *c, PyObject *h)
 static int
 bookkeeping_due(Ctx *c)
 {
-    return c->moves >= c->compact_every || c->entries > c->max_entries ||
-           PyDict_GET_SIZE(c->masks) > c->max_entries;
+    return c->table->entries > c->max_entries || (int64_t)c->table->n > c->max_entries;
+}
+
+static inline uint32_t
+bit_of(Ctx *c, int tier)
+{
+    return (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(c->bits, tier));
 }
 
 static int
@@ -744,12 +750,13 @@ apply_stored_gpu(Ctx *c, Ev *ev, int tier)
         own_pv = 1;
     }
     int rc = ERR;
-    PyObject **hashes = PyMem_Malloc(sizeof(PyObject *) * 2 * (size_t)n);
+    PyObject **hashes = PyMem_Malloc((sizeof(PyObject *) * 2 + sizeof(uint64_t)) * (size_t)n);
     if (hashes == NULL) {
         PyErr_NoMemory();
         goto out;
     }
     PyObject **keys = hashes + n;
+    uint64_t *kv = (uint64_t *)(keys + n);
     Py_ssize_t made_h = 0, made_k = 0;
     const uint8_t *hp = ev->hashes;
     for (; made_h < n; made_h++) {
@@ -758,6 +765,7 @@ apply_stored_gpu(Ctx *c, Ev *ev, int tier)
             goto free;
     }
     /* already learned (e.g. from another pod): take the keys, no hashing */
+    int odd = PyObject_IsTrue(PyList_GET_ITEM(c->odd, 0));
     int learned = 0;
     PyObject *first = lget(c, hashes[0]);
     if (first == NULL && PyErr_Occurred())
@@ -772,7 +780,13 @@ apply_stored_gpu(Ctx *c, Ev *ev, int tier)
                 learned = 0;
                 break;
             }
-            if (c->odd && !PyLong_CheckExact(v)) {
+            if (odd && !PyLong_CheckExact(v)) {
+                learned = 0;
+                break;
+            }
+            kv[i] = AS_U64(v);
+            if (kv[i] == (uint64_t)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
                 learned = 0;
                 break;
             }
@@ -785,7 +799,7 @@ apply_stored_gpu(Ctx *c, Ev *ev, int tier)
         }
     }
     if (!learned) {
-        uint64_t k = PyLong_AsUnsignedLongLong(pv);
+        uint64_t k = AS_U64(pv);
         if (k == (uint64_t)-1 && PyErr_Occurred()) {
             PyErr_Clear();
             rc = SLOW; /* a parent value this chain cannot continue from: Python decides */
@@ -804,6 +818,7 @@ apply_stored_gpu(Ctx *c, Ev *ev, int tier)
                 acc = lane_mix(acc, kind == 1 ? int_hash_u(u) : int_hash_s(s));
             }
             k = chain_step(k, tuple_end(acc, (uint64_t)C));
+            kv[made_k] = k;
             keys[made_k] = PyLong_FromUnsignedLongLong(k);
             if (keys[made_k] == NULL)
                 goto free;
@@ -816,28 +831,19 @@ apply_stored_gpu(Ctx *c, Ev *ev, int tier)
     c->token_tiers |= (uint64_t)1 << tier;
     c->blocks_stored += n;
     /* index.add_chain(keys, bit, None if no parent else pv) */
-    BitSet b;
-    bitset_init(&b, PyTuple_GET_ITEM(c->bits, tier));
+    uint32_t bit = bit_of(c, tier);
     PyObject *prev = ev->parent_kind == 0 ? NULL : pv;
     int64_t fresh = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (prev != NULL && PyDict_SetItem(c->parents, keys[i], prev) < 0) {
-            bitset_done(&b);
+        if (prev != NULL && PyDict_SetItem(c->parents, keys[i], prev) < 0)
             goto free;
-        }
         prev = keys[i];
-        int f = set_bit(c, &b, keys[i]);
-        if (f < 0) {
-            bitset_done(&b);
+        int f = mt_set_bit(c->table, kv[i], bit);
+        if (f < 0)
             goto free;
-        }
         fresh += f;
     }
-    bitset_done(&b);
-    c->added += fresh;
-    c->entries += fresh;
-    c->moved += n;
-    c->moves += n;
+    (void)fresh;
     rc = 0;
 free:
     for (Py_ssize_t i = 0; i < made_h; i++)
@@ -860,17 +866,17 @@ apply_stored_offload(Ctx *c, Ev *ev, int tier)
      * chunk length is inferred in Python); 2: Python */
     if (chunk == 2 || (chunk == 1 && n > 1))
         return SLOW;
-    if (c->block_size != c->C || c->odd)
+    if (c->block_size != c->C || PyObject_IsTrue(PyList_GET_ITEM(c->odd, 0)))
         return SLOW;
-    PyObject **keys = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
+    uint64_t stack_keys[64];
+    uint64_t *keys = n <= 64 ? stack_keys : PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
     if (keys == NULL) {
         PyErr_NoMemory();
         return ERR;
     }
     int rc = ERR;
-    Py_ssize_t got = 0;
     const uint8_t *hp = ev->hashes;
-    for (; got < n; got++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *h = hash_obj(&hp);
         if (h == NULL)
             goto free;
@@ -880,31 +886,27 @@ apply_stored_offload(Ctx *c, Ev *ev, int tier)
             rc = PyErr_Occurred() ? ERR : SLOW; /* not joinable yet: held by the Python path */
             goto free;
         }
-        Py_INCREF(v);
-        keys[got] = v;
-    }
-    c->offload_blocks += n;
-    BitSet b;
-    bitset_init(&b, PyTuple_GET_ITEM(c->bits, tier));
-    int64_t fresh = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int f = set_bit(c, &b, keys[i]);
-        if (f < 0) {
-            bitset_done(&b);
+        keys[i] = AS_U64(v);
+        if (keys[i] == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            rc = SLOW;
             goto free;
         }
+    }
+    c->offload_blocks += n;
+    uint32_t bit = bit_of(c, tier);
+    int64_t fresh = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int f = mt_set_bit(c->table, keys[i], bit);
+        if (f < 0)
+            goto free;
         fresh += f;
     }
-    bitset_done(&b);
-    c->added += fresh;
-    c->entries += fresh;
-    c->moved += n;
-    c->moves += n;
+    (void)fresh;
     rc = 0;
 free:
-    for (Py_ssize_t i = 0; i < got; i++)
-        Py_DECREF(keys[i]);
-    PyMem_Free(keys);
+    if (keys != stack_keys)
+        PyMem_Free(keys);
     return rc;
 }
 
@@ -919,144 +921,181 @@ apply_removed(Ctx *c, Ev *ev, int tier)
     if (!token_tier && !PyObject_IsTrue(PyTuple_GET_ITEM(c->remove_one, tier)))
         return SLOW;
     Py_ssize_t n = ev->n_hashes;
-    PyObject *bit = PyTuple_GET_ITEM(c->bits, tier);
+    uint32_t bit = bit_of(c, tier);
     /* check first: every learned value must be a plain key */
-    const uint8_t *hp = ev->hashes;
-    PyObject **vals = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
-    if (vals == NULL) {
-        PyErr_NoMemory();
-        return ERR;
-    }
+    uint64_t stack_keys[64];
+    int8_t stack_known[64];
+    uint64_t *keys = n <= 64 ? stack_keys : PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
+    int8_t *known = n <= 64 ? stack_known : PyMem_Malloc((size_t)n);
     int rc = ERR;
-    Py_ssize_t got = 0;
-    for (; got < n; got++) {
+    if (keys == NULL || known == NULL) {
+        PyErr_NoMemory();
+        goto free;
+    }
+    const uint8_t *hp = ev->hashes;
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *h = hash_obj(&hp);
         if (h == NULL)
             goto free;
         PyObject *v = lget(c, h);
         Py_DECREF(h);
-        if (v == NULL && PyErr_Occurred())
-            goto free;
-        if (v != NULL && !PyLong_CheckExact(v)) {
-            rc = SLOW;
-            goto free;
-        }
-        Py_XINCREF(v);
-        vals[got] = v;
-    }
-    int64_t gone = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = vals[i];
-        if (k == NULL) {
-            c->remove_unknown++;
-            continue;
-        }
-        c->blocks_removed++;
-        PyObject *m = PyDict_GetItemWithError(c->masks, k);
-        if (m == NULL) {
+        known[i] = v != NULL;
+        if (v == NULL) {
             if (PyErr_Occurred())
                 goto free;
             continue;
         }
-        PyObject *a = PyNumber_And(m, bit);
-        if (a == NULL)
+        if (!PyLong_CheckExact(v)) {
+            rc = SLOW;
             goto free;
-        int has = PyObject_IsTrue(a);
-        Py_DECREF(a);
-        if (!has)
-            continue;
-        PyObject *o = PyNumber_Xor(m, bit);
-        if (o == NULL)
+        }
+        keys[i] = AS_U64(v);
+        if (keys[i] == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            rc = SLOW;
             goto free;
-        PyObject *nm = PyDict_SetDefault(c->intern, o, o);
-        Py_XINCREF(nm);
-        Py_DECREF(o);
-        if (nm == NULL)
-            goto free;
-        int r = PyDict_SetItem(c->masks, k, nm);
-        Py_DECREF(nm);
-        if (r < 0)
-            goto free;
-        gone++;
+        }
     }
-    c->removed += gone;
-    c->entries -= gone;
+    int64_t gone = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!known[i]) {
+            c->remove_unknown++;
+            continue;
+        }
+        c->blocks_removed++;
+        gone += mt_clear_bit(c->table, keys[i], bit);
+    }
+    if (gone)
+        c->table->version++;
     rc = 0;
 free:
-    for (Py_ssize_t i = 0; i < got; i++)
-        Py_XDECREF(vals[i]);
-    PyMem_Free(vals);
+    if (keys != NULL && keys != stack_keys)
+        PyMem_Free(keys);
+    if (known != NULL && known != stack_known)
+        PyMem_Free(known);
     return rc;
 }
+
+/* The endpoint's context, a tuple made by KVRouter._fast_ctx:
+ * (stamp, endpoint, lmap, table, parents, seed, C, odd, block_size, token_tiers, tier_names,
+ *  bits, store_chunk, remove_one, max_entries, stats, learned) */
+#define CTX_LEN 17
 
 static int
 ctx_from(PyObject *t, Ctx *c)
 {
-    /* (lmap, masks, parents, intern, seed, C, odd, block_size, token_tiers, tier_names, bits,
-     *  store_chunk, remove_one, entries, max_entries, moves, compact_every) */
-    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 17) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != CTX_LEN) {
         PyErr_SetString(PyExc_TypeError, "fastpath context: a 17-tuple expected");
         return -1;
     }
     memset(c, 0, sizeof(*c));
-    c->lmap = PyTuple_GET_ITEM(t, 0);
-    c->masks = PyTuple_GET_ITEM(t, 1);
-    c->parents = PyTuple_GET_ITEM(t, 2);
-    c->intern = PyTuple_GET_ITEM(t, 3);
-    c->seed = PyTuple_GET_ITEM(t, 4);
-    c->C = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 5));
-    c->odd = PyObject_IsTrue(PyTuple_GET_ITEM(t, 6));
-    c->block_size = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 7));
-    c->token_tiers = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 8));
-    c->tier_names = PyTuple_GET_ITEM(t, 9);
-    c->bits = PyTuple_GET_ITEM(t, 10);
-    c->store_chunk = PyTuple_GET_ITEM(t, 11);
-    c->remove_one = PyTuple_GET_ITEM(t, 12);
-    c->entries = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 13));
+    c->ep = PyTuple_GET_ITEM(t, 1);
+    c->lmap = PyTuple_GET_ITEM(t, 2);
+    PyObject *table = PyTuple_GET_ITEM(t, 3);
+    c->parents = PyTuple_GET_ITEM(t, 4);
+    c->seed = PyTuple_GET_ITEM(t, 5);
+    c->C = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 6));
+    c->odd = PyTuple_GET_ITEM(t, 7);
+    c->block_size = c->block_size0 = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 8));
+    c->token_tiers = c->token_tiers0 = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 9));
+    c->tier_names = PyTuple_GET_ITEM(t, 10);
+    c->bits = PyTuple_GET_ITEM(t, 11);
+    c->store_chunk = PyTuple_GET_ITEM(t, 12);
+    c->remove_one = PyTuple_GET_ITEM(t, 13);
     c->max_entries = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 14));
-    c->moves = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 15));
-    c->compact_every = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 16));
+    c->stats = PyTuple_GET_ITEM(t, 15);
+    c->learned = PyTuple_GET_ITEM(t, 16);
     if (PyErr_Occurred())
         return -1;
-    if (!PyDict_CheckExact(c->lmap) || !PyDict_CheckExact(c->masks) || !PyDict_CheckExact(c->parents) ||
-        !PyDict_CheckExact(c->intern) || !PyLong_CheckExact(c->seed) || !PyTuple_Check(c->tier_names) ||
-        !PyTuple_Check(c->bits) || !PyTuple_Check(c->store_chunk) || !PyTuple_Check(c->remove_one) ||
-        c->C <= 0) {
+    if (stats_type == NULL || Py_TYPE(c->stats) != stats_type || Py_TYPE(c->learned) != learned_type) {
+        PyErr_SetString(PyExc_TypeError, "fastpath context: counters not bound (bind_counters) or of another type");
+        return -1;
+    }
+    if (!PyDict_CheckExact(c->lmap) || !PyObject_TypeCheck(table, &MaskTableType) ||
+        !PyDict_CheckExact(c->parents) || !PyLong_CheckExact(c->seed) || !PyList_Check(c->odd) ||
+        PyList_GET_SIZE(c->odd) < 1 || !PyTuple_Check(c->tier_names) || !PyTuple_Check(c->bits) ||
+        !PyTuple_Check(c->store_chunk) || !PyTuple_Check(c->remove_one) || c->C <= 0) {
         PyErr_SetString(PyExc_TypeError, "fastpath context: wrong types");
         return -1;
     }
+    c->table = (MaskTable *)table;
     c->n_tiers = PyTuple_GET_SIZE(c->tier_names);
     if (PyTuple_GET_SIZE(c->bits) != c->n_tiers || PyTuple_GET_SIZE(c->store_chunk) != c->n_tiers ||
         PyTuple_GET_SIZE(c->remove_one) != c->n_tiers || c->n_tiers > 63) {
         PyErr_SetString(PyExc_TypeError, "fastpath context: per-tier tuples of unequal length");
         return -1;
     }
+    for (Py_ssize_t i = 0; i < c->n_tiers; i++) {
+        long b = PyLong_AsLong(PyTuple_GET_ITEM(c->bits, i));
+        if (b < 0 || (uint64_t)b >= (uint64_t)c->table->W * 64) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "fastpath context: a tier bit outside the table");
+            return -1;
+        }
+    }
     return 0;
+}
+
+
+/* Account what was done into the router's counters; returns None when the caller has
+ * nothing left to do (the whole batch applied, nothing else changed), else
+ * (status, next event, changed, block size, token-tier mask, learned over budget, endpoint). */
+static PyObject *
+finish(int status, int64_t next, Ctx *c, Py_ssize_t learned, int first_call)
+{
+    if ((first_call && counter_add(c->stats, K_BATCHES, 1) < 0) || counter_add(c->stats, K_EVENTS, c->events) < 0 ||
+        counter_add(c->stats, K_STORED, c->blocks_stored) < 0 ||
+        counter_add(c->stats, K_OFFLOAD, c->offload_blocks) < 0 ||
+        counter_add(c->stats, K_REMOVED, c->blocks_removed) < 0 ||
+        counter_add(c->stats, K_UNKNOWN, c->remove_unknown) < 0 ||
+        counter_add(c->stats, K_IGNORED, c->ignored) < 0 || counter_add(c->learned, K_LEARNED, learned) < 0)
+        return NULL;
+    int changed = c->block_size != c->block_size0 || c->token_tiers != c->token_tiers0;
+    PyObject *size = *counter_slot(c->learned, K_LEARNED), *max = *counter_slot(c->learned, K_LEARNED_MAX);
+    int over = size != NULL && max != NULL ? PyObject_RichCompareBool(size, max, Py_GT) : 0;
+    if (over < 0)
+        return NULL;
+    if (status == 0 && !changed && !over)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(iLiLKiO)", status, (long long)next, changed, (long long)c->block_size,
+                         (unsigned long long)c->token_tiers, over, c->ep);
 }
 
 #define MAX_EVENTS_ON_STACK 64
 
+/* apply(payload, start, contexts, stamp, ctx_fn, pod, model) */
 static PyObject *
-py_apply(PyObject *self, PyObject *args)
+py_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer buf;
-    Py_ssize_t start;
-    PyObject *ctx_fn, *pod, *model;
-    if (!PyArg_ParseTuple(args, "y*nOOO:apply", &buf, &start, &ctx_fn, &pod, &model))
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "apply(payload, start, contexts, stamp, ctx_fn, pod, model)");
         return NULL;
+    }
+    Py_buffer buf;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    PyObject *contexts = args[2], *stamp = args[3], *ctx_fn = args[4], *pod = args[5], *model = args[6];
     PyObject *result = NULL;
+    PyObject *rank = NULL, *t = NULL;
     Ev stack_evs[MAX_EVENTS_ON_STACK];
     Ev *evs = stack_evs;
+    if ((start == -1 && PyErr_Occurred()) || !PyDict_Check(contexts)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "apply: contexts must be a dict");
+        goto done;
+    }
     Rd r = {(const uint8_t *)buf.buf, (const uint8_t *)buf.buf + buf.len};
     /* --- check the whole batch before touching anything */
     int64_t top = rd_container(&r, 0);
     int64_t nev = -1;
-    PyObject *rank = NULL;
     if (top == 2 || top == 3) {
         if (NEED(&r, 1) && (*r.p == 0xcb || *r.p == 0xca)) {
-            r.p += *r.p == 0xcb ? 9 : 5;
-            if (r.p <= r.end)
+            size_t w = *r.p == 0xcb ? 9 : 5;
+            if (NEED(&r, w)) {
+                r.p += w;
                 nev = rd_container(&r, 0);
+            }
         }
     }
     if (nev < 0)
@@ -1073,40 +1112,38 @@ py_apply(PyObject *self, PyObject *args)
     for (int64_t i = 0; i < nev; i++)
         if (!parse_event(&r, &evs[i]))
             goto to_python;
-    if (top == 3) {
+    int64_t rank_v = 0;
+    if (top == 3 && !rd_nil(&r)) {
         uint64_t u;
-        int64_t s;
-        if (rd_nil(&r)) {
-            rank = Py_None;
-            Py_INCREF(rank);
-        } else {
-            int k = rd_int(&r, &u, &s);
-            if (k <= 0)
-                goto to_python;
-            rank = k == 1 ? PyLong_FromUnsignedLongLong(u) : PyLong_FromLongLong(s);
-            if (rank == NULL)
-                goto done;
-        }
-    } else {
-        rank = Py_None;
-        Py_INCREF(rank);
+        int64_t sv;
+        int k = rd_int(&r, &u, &sv);
+        if (k <= 0 || (k == 1 && u > (uint64_t)INT64_MAX))
+            goto to_python;
+        rank_v = k == 1 ? (int64_t)u : sv;
     }
     if (r.p != r.end)
         goto to_python; /* trailing bytes: the typed decoder rejects them */
-
-    /* --- the endpoint's context */
-    PyObject *t = PyObject_CallFunctionObjArgs(ctx_fn, pod, model, rank, NULL);
-    if (t == NULL)
+    /* (the endpoint's key: the rank, None counting as 0) */
+    rank = PyLong_FromLongLong(rank_v);
+    if (rank == NULL)
         goto done;
-    if (t == Py_None) {
-        Py_DECREF(t);
-        goto to_python;
+
+    /* --- the endpoint's context: cached per rank while its stamp is current */
+    t = PyDict_GetItemWithError(contexts, rank);
+    if (t != NULL && PyTuple_Check(t) && PyTuple_GET_SIZE(t) == CTX_LEN &&
+        PyObject_RichCompareBool(PyTuple_GET_ITEM(t, 0), stamp, Py_EQ) == 1) {
+        Py_INCREF(t);
+    } else {
+        if (PyErr_Occurred())
+            goto done;
+        t = PyObject_CallFunctionObjArgs(ctx_fn, pod, model, rank, NULL);
+        if (t == NULL)
+            goto done;
     }
     Ctx c;
-    if (ctx_from(t, &c) < 0) {
-        Py_DECREF(t);
+    if (ctx_from(t, &c) < 0)
         goto done;
-    }
+    Py_ssize_t learned0 = PyDict_GET_SIZE(c.lmap);
     int status = 0;
     int64_t i = start < 0 ? 0 : start;
     for (; i < nev; i++) {
@@ -1130,10 +1167,8 @@ py_apply(PyObject *self, PyObject *args)
             } else
                 rc = apply_stored_offload(&c, ev, tier);
         }
-        if (rc == ERR) {
-            Py_DECREF(t);
+        if (rc == ERR)
             goto done;
-        }
         if (rc == SLOW) {
             status = SLOW;
             break;
@@ -1145,18 +1180,14 @@ py_apply(PyObject *self, PyObject *args)
             break;
         }
     }
-    result = Py_BuildValue("(iLnnnnnnLLLLKO)", status, (long long)i, c.events, c.blocks_stored,
-                           c.offload_blocks, c.blocks_removed, c.remove_unknown, c.ignored,
-                           (long long)c.added, (long long)c.moved, (long long)c.removed,
-                           (long long)c.block_size, (unsigned long long)c.token_tiers, rank);
-    Py_DECREF(t);
+    result = finish(status, i, &c, PyDict_GET_SIZE(c.lmap) - learned0, start <= 0);
     goto done;
 
 to_python:
-    /* (status 3: the whole batch needs the Python decoder) */
-    result = Py_BuildValue("(iLnnnnnnLLLLKO)", 3, (long long)0, (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0,
-                           (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0, 0LL, 0LL, 0LL, 0LL, 0ULL, Py_None);
+    /* the whole batch needs the Python decoder; nothing was changed */
+    result = Py_BuildValue("(iLiLKiO)", 3, 0LL, 0, 0LL, 0ULL, 0, Py_None);
 done:
+    Py_XDECREF(t);
     Py_XDECREF(rank);
     if (evs != stack_evs)
         PyMem_Free(evs);
@@ -1165,8 +1196,11 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    {"bind_counters", py_bind_counters, METH_VARARGS,
+     "bind_counters(RouterStats, LearnedMap): where apply() finds the counters it updates."},
     {"chain_keys", py_chain_keys, METH_VARARGS, "Chained router keys of every full block (see consumers.keys)."},
-    {"apply", py_apply, METH_VARARGS, "Apply a KVEventBatch payload's common events (see consumers.ingest)."},
+    {"apply", (PyCFunction)(void (*)(void))py_apply, METH_FASTCALL,
+     "Apply a KVEventBatch payload's common events (see consumers.fastingest)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1177,5 +1211,16 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__fastpath(void)
 {
-    return PyModule_Create(&module);
+    if (PyType_Ready(&MaskTableType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&MaskTableType);
+    if (PyModule_AddObject(m, "MaskTable", (PyObject *)&MaskTableType) < 0) {
+        Py_DECREF(&MaskTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -4,7 +4,8 @@
 Python objects (msgspec's decode) costs as much as indexing them. ``apply_payload(pod,
 payload)`` takes the payload bytes of a PUB frame instead. Where the optional C extension is
 built (:mod:`consumers._accel`), it parses the msgpack itself and applies the common events
-without creating event objects: GPU stores of canonical-size blocks, offload stores that join
+without creating event objects, straight into the index's C mask table
+(:class:`consumers.index.NativeBlockIndex`): GPU stores of canonical-size blocks, offload stores that join
 one key per hash, removals of one key per hash, kv-cache groups that are not indexed. It
 checks the whole batch first; a batch it does not fully understand (the legacy encoding, bytes
 hashes, a release's missing fields, anything malformed) goes to ``decode_batch`` and the
@@ -21,8 +22,12 @@ from typing import TYPE_CHECKING
 
 from kvevents.codec import decode_batch
 
-from .index import _COMPACT_EVERY
+from .index import LearnedMap
 from .keys import _FAST
+from .router_config import RouterStats
+
+if _FAST is not None:
+    _FAST.bind_counters(RouterStats, LearnedMap)  # where apply() finds the counters it updates
 
 if TYPE_CHECKING:  # pragma: no cover
     from .ingest import Endpoint
@@ -40,84 +45,61 @@ class FastIngestMixin:
         if fast is None or self._pending_by_hash or self._cfg.groups != _DEFAULT_GROUPS:  # type: ignore[attr-defined]
             self.apply(pod, decode_batch(payload), model=model, strict=strict)  # type: ignore[attr-defined]
             return
-        self._fast_n0 = -1
-        out = fast.apply(payload, 0, self._fast_ctx, pod, model)
-        if out[0] == 3:  # nothing applied: the whole batch needs the Python decoder
-            self.apply(pod, decode_batch(payload), model=model, strict=strict)  # type: ignore[attr-defined]
-            return
-        ep: Endpoint = self._fast_ep
-        stats = self.stats  # type: ignore[attr-defined]
-        stats.batches += 1
-        while True:
-            status, nxt = out[0], out[1]
-            self._fast_account(ep, out)
-            if status == 2:  # the index's bookkeeping ran; go on from the next event
-                out = fast.apply(payload, nxt, self._fast_ctx, pod, model)
-                continue
-            if status == 1:  # the rest of the batch through the Python path
-                self._apply_events(ep, decode_batch(payload).events[nxt:], strict)  # type: ignore[attr-defined]
-            break
+        contexts = self._fast_ctxs.get(pod)
+        if contexts is None:
+            contexts = self._fast_ctxs[pod] = {}
+        out = fast.apply(payload, 0, contexts, self._py_touch, self._fast_ctx, pod, model)
+        if out is not None:  # (the common case, None: applied and counted in C, nothing else to do)
+            self._fast_rest(pod, payload, model, strict, contexts, out)
         if self._pending:  # type: ignore[attr-defined]
             self._expire_pending()  # type: ignore[attr-defined]
+
+    def _fast_rest(self, pod: str, payload: bytes, model: str | None, strict: bool, contexts: dict,
+                   out: tuple) -> None:
+        """What C left to Python: the whole batch, the rest of it, an eviction, a changed
+        endpoint, the learned map over its budget."""
+        fast = _FAST
         learned = self._learned  # type: ignore[attr-defined]
-        learned.size += len(ep.lmap) - self._fast_n0
+        while True:
+            status, nxt, changed, block_size, token_mask, over, ep = out
+            if status == 3:  # nothing applied: the whole batch needs the Python decoder
+                self.apply(pod, decode_batch(payload), model=model, strict=strict)  # type: ignore[attr-defined]
+                return
+            if changed:
+                ep.block_size = block_size
+                ep.token_tiers.update(t for t in range(64) if token_mask >> t & 1)
+                self._py_touch += 1
+            if status == 2:  # over the entry budget: evict, then go on from the next event
+                self._index.evict()  # type: ignore[attr-defined]
+                out = fast.apply(payload, nxt, contexts, self._py_touch, self._fast_ctx, pod, model)
+                if out is None:
+                    return
+                continue
+            if status == 1:  # the rest of the batch through the Python path
+                n0 = len(ep.lmap)
+                self._apply_events(ep, decode_batch(payload).events[nxt:], strict)  # type: ignore[attr-defined]
+                learned.size += len(ep.lmap) - n0
+            break
         if learned.size > learned.max_size:
             learned.recount()
 
-    def _fast_account(self, ep: Endpoint, out: tuple) -> None:
-        (_status, _nxt, events, stored, offload, removed_blocks, unknown, ignored, added, moved, removed,
-         block_size, token_mask, _rank) = out
-        stats = self.stats  # type: ignore[attr-defined]
-        stats.events += events
-        if stored:
-            stats.blocks_stored += stored
-        if offload:
-            stats.offload_blocks += offload
-        if removed_blocks:
-            stats.blocks_removed += removed_blocks
-        if unknown:
-            stats.remove_unknown += unknown
-        if ignored:
-            stats.ignored_group_events += ignored
-        index = self._index  # type: ignore[attr-defined]
-        index.entries -= removed
-        index._added(added, moved)  # counts, and compaction/eviction exactly where apply() runs them
-        if block_size != ep.block_size:
-            ep.block_size = block_size
-        cached = ep.fast_tiers
-        if cached is not None and token_mask != cached[7]:
-            ep.token_tiers.update(t for t in range(64) if token_mask >> t & 1)
-            ep.fast_tiers = None
-
-    def _fast_ctx(self, pod: str, model: str | None, rank: int | None) -> tuple:
-        """The endpoint's context for the C fast path (see ``consumers/_fastpath.c``)."""
-        ep = self._endpoints.get((pod, rank or 0))  # type: ignore[attr-defined]
+    def _fast_ctx(self, pod: str, model: str | None, rank: int) -> tuple:
+        """The endpoint's context for the C fast path, cached per (pod, rank) until the Python
+        path next runs (``_py_touch``: it may change chunk lengths, odd chunks, token tiers,
+        the slot layout or the tiers)."""
+        ep = self._endpoints.get((pod, rank))  # type: ignore[attr-defined]
         if ep is None:
             ep = self._endpoint(pod, rank, model)  # type: ignore[attr-defined]
-        self._fast_ep = ep
-        if self._fast_n0 < 0:
-            self._fast_n0 = len(ep.lmap)
         index = self._index  # type: ignore[attr-defined]
-        names = self._tier_names  # type: ignore[attr-defined]
-        t = ep.fast_tiers
-        if t is None or t[0] != index.cap or len(t[3]) != len(names) or t[2] != self._py_touch:
-            t = ep.fast_tiers = self._fast_tiers(ep)
-        return (ep.lmap, index.masks, index.parents, index.intern, ep.seed, self._bs, ep.odd[0], ep.block_size,
-                t[7], t[3], t[4], t[5], t[6], index.entries, index.max_entries, index.moves, _COMPACT_EVERY)
-
-    def _fast_tiers(self, ep: Endpoint) -> tuple:
-        """Per tier: name, this endpoint's bit, how offload stores join, whether a removal is
-        one key per hash; and the mask of tiers whose stores carried tokens. Cached on the
-        endpoint; stale once the Python path has run (``_py_touch``: it may have changed chunk
-        lengths, odd chunks or token tiers), or the slot layout or the tiers changed."""
-        index = self._index  # type: ignore[attr-defined]
-        names = tuple(self._tier_names)  # type: ignore[attr-defined]
         configured = self._cfg.offload_chunk_blocks  # type: ignore[attr-defined]
+        names = tuple(self._tier_names)  # type: ignore[attr-defined]
         bits, store_chunk, remove_one = [], [], []
         for t, name in enumerate(names):
-            bits.append(1 << (t * index.cap + ep.slot))
+            bits.append(t * index.cap + ep.slot)  # the bit's number in the MaskTable
             conf = configured.get(name)
             ck = ep.chunk_keys.get(t)
+            # how an offload store joins: 0 one key per hash; 1 the same if the event has one
+            # hash (else the chunk length is inferred in Python); 2 Python
             if conf is not None:
                 store_chunk.append(0 if conf == 1 else 2)
                 default = conf
@@ -128,5 +110,8 @@ class FastIngestMixin:
         token_mask = 0
         for t in ep.token_tiers:
             token_mask |= 1 << t
-        return (index.cap, None, self._py_touch, names, tuple(bits), tuple(store_chunk), tuple(remove_one),
-                token_mask)
+        ctx = (self._py_touch, ep, ep.lmap, index.masks, index.parents, ep.seed, self._bs, ep.odd, ep.block_size,
+               token_mask, names, tuple(bits), tuple(store_chunk), tuple(remove_one), index.max_entries,
+               self.stats, self._learned)
+        self._fast_ctxs.setdefault(pod, {})[rank] = ctx
+        return ctx

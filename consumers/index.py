@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 from itertools import compress, islice, repeat
 
-__all__ = ["BlockIndex", "LearnedMap"]
+__all__ = ["BlockIndex", "LearnedMap", "NativeBlockIndex", "make_index"]
 
 _COMPACT_EVERY = 1 << 16
 
@@ -64,7 +64,7 @@ class BlockIndex:
     def __init__(self, max_entries: int = 1 << 22, *, cap: int = 64, max_tiers: int = 4) -> None:
         if max_entries <= 0:
             raise ValueError(f"max_entries must be > 0, got {max_entries}")
-        self.masks: dict[int, int] = {}
+        self.masks: dict[int, int] = self._new_masks(cap, max_tiers)
         self.parents: dict[int, int] = {}
         self.intern: dict[int, int] = {}
         self.intern_limit = 1 << 16
@@ -77,6 +77,9 @@ class BlockIndex:
         self.evicted_entries = 0
         self.moves = 0
         self.compactions = 0
+
+    def _new_masks(self, cap: int, max_tiers: int):
+        return {}
 
     # --- bits -----------------------------------------------------------------------------
     def bit(self, tier: int, slot: int) -> int:
@@ -260,6 +263,119 @@ class BlockIndex:
 
     def __len__(self) -> int:
         return len(self.masks)
+
+    # --- introspection ---------------------------------------------------------------------
+    def lane_counts(self, tiers: int) -> list[int]:
+        """Set bits (entries) per tier."""
+        cap = self.cap
+        full = (1 << cap) - 1
+        counts = [0] * tiers
+        for m in list(self.masks.values()):  # one C-level copy: consistent under the GIL
+            if m:
+                for t in range(tiers):
+                    lane = (m >> (t * cap)) & full
+                    if lane:
+                        counts[t] += lane.bit_count()
+        return counts
+
+    def masks_nbytes(self) -> int:
+        """Bytes of the mask dict, its key ints and the interned masks (each counted once)."""
+        size = sys.getsizeof
+        return size(self.masks) + sum(map(size, self.masks)) + size(self.intern) + sum(map(size, self.intern))
+
+    def distinct_masks(self) -> int:
+        return len(self.intern)
+
+
+class NativeBlockIndex(BlockIndex):
+    """The same index with its masks in C (``consumers._fastpath.MaskTable``).
+
+    ``masks`` is a MaskTable: fixed-width bit words per key, LRU-linked, in an open-addressing
+    table, read through the mapping interface (``get``, ``[]``, ``in``, ``len``, iteration
+    oldest first, ``values``) with Python ints as values, so scoring and ``explain`` read it
+    as they read the dict. No mask objects exist, so nothing is interned and nothing needs
+    compacting. Used whenever the C extension is built; the C ingest path writes to it
+    directly. ``parents`` stays a dict.
+    """
+
+    __slots__ = ("_table",)
+
+    def __init__(self, max_entries: int = 1 << 22, *, cap: int = 64, max_tiers: int = 4, table: type) -> None:
+        self._table = table
+        super().__init__(max_entries, cap=cap, max_tiers=max_tiers)
+
+    def _new_masks(self, cap: int, max_tiers: int):
+        return self._table(bits=cap * max_tiers)
+
+    @property  # type: ignore[override]
+    def entries(self) -> int:
+        """Set bits over every key, counted by the table itself (the C ingest path updates it)."""
+        return self.masks.entries  # type: ignore[attr-defined]
+
+    @entries.setter
+    def entries(self, value: int) -> None:
+        self.masks.entries = value  # type: ignore[attr-defined]
+
+    def grow(self, new_cap: int) -> None:
+        old = self.cap
+        if new_cap <= old:
+            return
+        self.masks.grow(old, new_cap, self.max_tiers)  # type: ignore[attr-defined]
+        self.cap = new_cap
+
+    def reintern(self) -> None:  # no mask objects to share
+        return None
+
+    def compact(self, force: bool = False) -> bool:  # no deleted slots to shed
+        self.moves = 0
+        return False
+
+    def _added(self, new: int, moved: int) -> None:  # the table has counted the new entries
+        if self.masks.entries > self.max_entries or len(self.masks) > self.max_entries:  # type: ignore[attr-defined]
+            self.evict()
+
+    def _set(self, keys: list[int], bit: int) -> None:
+        self._added(self.masks.set_bit(keys, bit.bit_length() - 1), len(keys))  # type: ignore[attr-defined]
+
+    def add_chain(self, keys: list[int], bit: int, parent: int | None) -> None:
+        parents = self.parents
+        prev = parent
+        for k in keys:
+            if prev is not None:
+                parents[k] = prev
+            prev = k
+        self._added(self.masks.set_bit(keys, bit.bit_length() - 1), len(keys))  # type: ignore[attr-defined]
+
+    def remove(self, keys: list[int], bit: int) -> int:
+        return self.masks.clear_bit(keys, bit.bit_length() - 1)  # type: ignore[attr-defined]
+
+    def clear_bits(self, bits: int) -> int:
+        return self.masks.clear_bits([i for i in range(bits.bit_length()) if bits >> i & 1])  # type: ignore[attr-defined]
+
+    def evict(self) -> None:
+        keys, dropped = self.masks.evict(self.low_water)  # type: ignore[attr-defined]
+        pop = self.parents.pop
+        for k in keys:
+            pop(k, None)
+        self.evicted_entries += dropped
+        self.evicted_keys += len(keys)
+
+    def lane_counts(self, tiers: int) -> list[int]:
+        return self.masks.lane_counts(self.cap, tiers)  # type: ignore[attr-defined]
+
+    def masks_nbytes(self) -> int:
+        return self.masks.nbytes()  # type: ignore[attr-defined]
+
+    def distinct_masks(self) -> int:
+        return len(set(self.masks.values()))  # type: ignore[attr-defined]
+
+
+def make_index(max_entries: int, *, max_tiers: int, fast: object) -> BlockIndex:
+    """The C-backed index where the extension is in use (``fast``), else the dict one."""
+    table = getattr(fast, "MaskTable", None)
+    if table is not None:
+        return NativeBlockIndex(max_entries, max_tiers=max_tiers, table=table)
+    return BlockIndex(max_entries, max_tiers=max_tiers)
 
 
 class LearnedMap:

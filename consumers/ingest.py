@@ -26,7 +26,7 @@ class Endpoint:
     """One engine: a pod's data-parallel rank. Owns one slot (bit lane) in the index."""
 
     __slots__ = ("pod", "rank", "slot", "model", "lmap", "odd", "seed", "block_size", "chunk_keys",
-                 "odd_chunks", "token_tiers", "unreliable", "fast_tiers")
+                 "odd_chunks", "token_tiers", "unreliable")
 
     def __init__(self, pod: str, rank: int, slot: int, model: str, lmap: dict, odd: list) -> None:
         self.pod = pod
@@ -41,7 +41,6 @@ class Endpoint:
         self.odd_chunks: dict[int, dict[object, int]] = {}  #: tier -> chunk hash -> keys, if not the default
         self.token_tiers: set[int] = set()  #: tiers whose stores carried tokens
         self.unreliable = False
-        self.fast_tiers: tuple | None = None  #: the C fast path's per-tier context (consumers.fastingest)
 
     def __repr__(self) -> str:
         return f"Endpoint({self.pod!r}, rank={self.rank}, slot={self.slot}, model={self.model!r})"
@@ -81,6 +80,7 @@ class IngestMixin:
                 return -1
             t = self._tiers[name] = len(self._tiers)
             self._tier_names.append(name)
+            self._py_touch += 1
         return t
 
     def _block_keys(self, ep: Endpoint, v: object) -> tuple[int | None, int]:

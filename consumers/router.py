@@ -26,9 +26,9 @@ from collections.abc import Iterable, Mapping
 from kvevents.events import KVEventBatch
 
 from .fastingest import FastIngestMixin
-from .index import BlockIndex, LearnedMap
+from .index import LearnedMap, make_index
 from .ingest import Endpoint, IngestMixin
-from .keys import as_token_list, chain_keys, model_seed
+from .keys import _FAST, as_token_list, chain_keys, model_seed
 from .router_config import RouterConfig, RouterInputError, RouterStats
 from .score import Explanation, Score, TierMatch, walk
 
@@ -54,9 +54,10 @@ class KVRouter(FastIngestMixin, IngestMixin):
             raise TypeError("pass either a RouterConfig or keyword overrides, not both")
         self._cfg = config
         self._bs = config.block_size
-        self._index = BlockIndex(config.max_entries, max_tiers=config.max_tiers)
+        self._index = make_index(config.max_entries, max_tiers=config.max_tiers, fast=_FAST)
         self._learned = LearnedMap(config.max_learned or config.max_entries)
         self.stats = RouterStats()
+        self._py_touch = 0  #: bumped whenever the Python ingest path runs (the C fast path's cache key)
         self._tiers: dict[str, int] = {}
         self._tier_names: list[str] = []
         for name in _BUILTIN_TIERS[: config.max_tiers]:
@@ -71,9 +72,7 @@ class KVRouter(FastIngestMixin, IngestMixin):
         self._pub_pod: dict[str, str] = {}
         self._health: dict[str, str] = {}  #: pod -> RECOVERING / STALE (SYNCED pods absent)
         self._gen = 0  #: bumped whenever endpoints or their states change (score's cache key)
-        self._py_touch = 0  #: bumped whenever the Python ingest path runs (the C fast path's cache key)
-        self._fast_ep: Endpoint | None = None
-        self._fast_n0 = -1
+        self._fast_ctxs: dict[str, dict[int, tuple]] = {}  #: pod -> rank -> the C fast path's context
         self._walk_cache: tuple = (None, None)
 
     @property
@@ -100,6 +99,7 @@ class KVRouter(FastIngestMixin, IngestMixin):
             self._next_slot += 1
             if slot >= self._index.cap:
                 self._index.grow(self._index.cap * 2)
+                self._py_touch += 1  # every endpoint's bits moved
         lmap = self._learned.for_model(model)
         ep = Endpoint(pod, rank or 0, slot, model, lmap, self._learned.odd[model])
         self._endpoints[key] = ep
@@ -150,6 +150,7 @@ class KVRouter(FastIngestMixin, IngestMixin):
         eps = self._pod_endpoints(pod)
         if eps:
             self.stats.purges += 1
+        self._fast_ctxs.pop(pod, None)
         for ep in eps:
             self._clear_endpoint(ep)
             del self._endpoints[(ep.pod, ep.rank)]
@@ -445,7 +446,7 @@ class KVRouter(FastIngestMixin, IngestMixin):
         interned mask is counted once)."""
         idx = self._index
         size = sys.getsizeof
-        masks_b = size(idx.masks) + sum(map(size, idx.masks)) + size(idx.intern) + sum(map(size, idx.intern))
+        masks_b = idx.masks_nbytes()
         parents_b = size(idx.parents)
         learned_b = 0
         for m in self._learned.maps.values():
@@ -453,7 +454,7 @@ class KVRouter(FastIngestMixin, IngestMixin):
         total = masks_b + parents_b + learned_b
         entries = max(1, idx.entries)
         return {"entries": idx.entries, "keys": len(idx.masks), "learned": self._learned.size,
-                "distinct_masks": len(idx.intern), "bytes_masks": masks_b, "bytes_parents": parents_b,
+                "distinct_masks": idx.distinct_masks(), "bytes_masks": masks_b, "bytes_parents": parents_b,
                 "bytes_learned": learned_b, "bytes_total": total, "bytes_per_entry": total / entries}
 
     def counters(self) -> dict[str, object]:

@@ -178,19 +178,11 @@ class _IndexScan:
     def _scan(self) -> None:
         r = self.router
         index = r._index
-        cap = index.cap
-        full = (1 << cap) - 1
         tiers = list(r._tiers.items())  # name -> lane
-        masks = list(index.masks.values())  # one C-level copy: consistent under the GIL
-        counts = dict.fromkeys((name for name, _ in tiers), 0)
-        for m in masks:
-            if m:
-                for name, t in tiers:
-                    lane = (m >> (t * cap)) & full
-                    if lane:
-                        counts[name] += lane.bit_count()
+        lanes = index.lane_counts(len(tiers))
+        counts = {name: lanes[t] for name, t in tiers}
         size = sys.getsizeof
-        total = size(index.masks) + size(index.parents) + sum(size(m) + 28 for m in masks)
+        total = index.masks_nbytes() + size(index.parents)
         for lmap in list(r._learned.maps.values()):
             total += size(lmap) + 28 * len(lmap)
         n = sum(counts.values()) or 1

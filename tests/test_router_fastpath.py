@@ -20,7 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import consumers.fastingest as fastingest
-import consumers.index as index_mod
 from consumers import KVRouter, RouterConfig, _accel
 from consumers.keys import chain_keys_py
 from kvevents import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, encode_batch
@@ -46,8 +45,7 @@ def state(r: KVRouter):
     return {
         "masks": list(idx.masks.items()),  # the LRU order too
         "parents": list(idx.parents.items()),
-        "intern": sorted(idx.intern),
-        "counts": (idx.entries, idx.moves, idx.evicted_keys, idx.evicted_entries, idx.compactions, idx.cap),
+        "counts": (idx.entries, idx.evicted_keys, idx.evicted_entries, idx.cap),
         "learned": {m: list(d.items()) for m, d in r._learned.maps.items()},
         "learned_size": (r._learned.size, r._learned.evicted),
         "odd": {m: o[0] for m, o in r._learned.odd.items()},
@@ -119,17 +117,9 @@ def scenario(draw):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(sc=scenario(), compact_every=st.sampled_from([1 << 16, 7]))
-def test_apply_payload_leaves_exactly_the_state_apply_leaves(sc, compact_every):
-    saved = index_mod._COMPACT_EVERY, fastingest._COMPACT_EVERY
-    index_mod._COMPACT_EVERY = fastingest._COMPACT_EVERY = compact_every
-    try:
-        _check_same_state(*sc)
-    finally:
-        index_mod._COMPACT_EVERY, fastingest._COMPACT_EVERY = saved
-
-
-def _check_same_state(batches, config):
+@given(sc=scenario())
+def test_apply_payload_leaves_exactly_the_state_apply_leaves(sc):
+    batches, config = sc
     slow, fast = KVRouter(RouterConfig(**config)), KVRouter(RouterConfig(**config))
     for pod, action, batch in batches:
         if action == "reset":
@@ -165,12 +155,12 @@ def test_payloads_take_the_fast_path_and_answer_as_apply():
 
     def spy(*a):
         out = real(*a)
-        calls.append(out[0])
+        calls.append(0 if out is None else out[0])  # None: all applied in C, nothing left to do
         return out
 
     fastingest_fast = fastingest._FAST
     try:
-        fastingest._FAST = type("F", (), {"apply": staticmethod(spy)})
+        fastingest._FAST = type("F", (), {"apply": staticmethod(spy), "MaskTable": fastingest_fast.MaskTable})
         for b in _stream():
             slow.apply("p", b)
             fast.apply_payload("p", encode_batch(b))
@@ -247,3 +237,67 @@ def test_pure_python_can_be_forced_and_status_says_so():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("True |") and "disabled by KVEVENTS_PURE_PYTHON" in out.stdout
+
+
+@st.composite
+def index_ops(draw):
+    keys = st.integers(0, 40)
+    op = st.one_of(
+        st.tuples(st.just("chain"), st.lists(keys, min_size=1, max_size=6, unique=True), st.integers(0, 5),
+                  st.integers(0, 3), st.none() | keys),
+        st.tuples(st.just("add"), st.lists(keys, max_size=6), st.integers(0, 5), st.integers(0, 3), st.none()),
+        st.tuples(st.just("remove"), st.lists(keys, max_size=6), st.integers(0, 5), st.integers(0, 3), st.none()),
+        st.tuples(st.just("clear"), st.just([]), st.integers(0, 5), st.just(0), st.none()),
+        st.tuples(st.just("grow"), st.just([]), st.just(0), st.just(0), st.none()),
+    )
+    return draw(st.lists(op, min_size=1, max_size=40)), draw(st.sampled_from([1 << 20, 30, 9]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(sc=index_ops())
+def test_the_c_mask_table_index_behaves_as_the_dict_index(sc):
+    from consumers.index import BlockIndex, NativeBlockIndex
+
+    ops, budget = sc
+    a = BlockIndex(budget, cap=4, max_tiers=4)
+    b = NativeBlockIndex(budget, cap=4, max_tiers=4, table=fastingest._FAST.MaskTable)
+    for kind, keys, slot, tier, parent in ops:
+        for idx in (a, b):
+            slot_ = slot % idx.cap
+            bit = idx.bit(tier, slot_)
+            if kind == "chain":
+                idx.add_chain(keys, bit, parent)
+            elif kind == "add":
+                idx.add(keys, bit)
+            elif kind == "remove":
+                idx.remove(keys, bit)
+            elif kind == "clear":
+                idx.clear_bits(idx.slot_bits(slot_))
+            elif idx.cap < 16:
+                idx.grow(idx.cap * 2)
+        assert list(b.masks.items()) == list(a.masks.items())
+        assert list(b.masks) == list(a.masks) and len(b.masks) == len(a.masks)
+        assert b.parents == a.parents
+        assert (b.entries, b.evicted_keys, b.evicted_entries, b.cap) == (a.entries, a.evicted_keys, a.evicted_entries, a.cap)
+        assert b.lane_counts(4) == a.lane_counts(4)
+        assert b.entries == b.masks.bit_count()
+        for k in range(0, 42, 5):
+            assert b.masks.get(k, -1) == a.masks.get(k, -1) and (k in b.masks) == (k in a.masks)
+        assert b.walk_back(7, 4) == a.walk_back(7, 4)
+
+
+def test_mask_table_errors_are_clear():
+    table = fastingest._FAST.MaskTable(bits=8)
+    with pytest.raises(ValueError, match=r"bit 64 out of range \[0, 64\)"):  # one 64-bit word per mask
+        table.set_bit([1], 64)
+    with pytest.raises(ValueError, match="a key must be an int"):
+        table.set_bit([-1], 0)
+    with pytest.raises(KeyError):
+        table[5]
+    assert table.get(5) is None and table.get("x", 0) == 0 and "x" not in table
+    with pytest.raises(ValueError, match="bits must be in"):
+        fastingest._FAST.MaskTable(bits=0)
+    assert table.set_bit([3, 4, 3], 2) == 2 and table.items() == [(4, 4), (3, 4)]  # 3 moved to the newest end
+    big = fastingest._FAST.MaskTable(bits=300)
+    big.set_bit([9], 299)
+    assert big[9] == 1 << 299 and big.values() == [1 << 299]

@@ -4,6 +4,7 @@ The model keeps, per (pod, tier), the set of engine blocks present as full token
 (tuples), and the engine hash -> prefix mapping; it scores by comparing prefixes directly.
 Engine hashes are content hashes (the same prefix gives the same hash on every pod, as with
 a shared hash seed). Chunk factor 1 is configured, budgets are large enough never to evict.
+Run against both index implementations: dicts of interned ints, and the C mask table.
 Pod "w" has engine blocks of two canonical blocks and never removes (a removal there can
 under-report a sibling's shared key, which the model does not follow).
 """
@@ -13,9 +14,14 @@ from __future__ import annotations
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import pytest
+
+import consumers.router as router_mod
 from consumers import KVRouter, RouterConfig
+from consumers.index import NativeBlockIndex
 from kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
+KINDS = ["dict"] + (["native"] if router_mod._FAST is not None else [])  # the index's two implementations
 C = 2
 PODS = {"a": 2, "b": 2, "w": 4}  # pod -> engine block size
 TIERS = ["GPU", "CPU", "STORAGE"]
@@ -136,19 +142,26 @@ def scenario(draw):
     return ops, prompts
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenario())
+@given(sc=scenario())
 # found by this test: an offload joined after a reset, before the pod's next GPU event, must still
 # span the engine block's keys (the engine block size survives a reset)
-@example(([("w", BlockStored([ehash(4, (1, 1, 1, 1))], None, [1, 1, 1, 1], 4, None, "GPU", None)),
+@example(sc=([("w", BlockStored([ehash(4, (1, 1, 1, 1))], None, [1, 1, 1, 1], 4, None, "GPU", None)),
            ("w", "reset"),
            ("a", BlockStored([ehash(2, (1, 1))], None, [1, 1], 2, None, "GPU", None)),
            ("w", BlockStored([ehash(4, (1, 1, 1, 1))], None, [], 0, None, "CPU", None))],
           [[], [1, 1]]))
-def test_router_matches_brute_force_model(sc):
+def test_router_matches_brute_force_model(kind, sc):
     ops, prompts = sc
-    r = KVRouter(RouterConfig(block_size=C, model="m", offload_chunk_blocks={"CPU": 1, "STORAGE": 1},
-                              pending_max_batches=10_000, pending_capacity=10_000))
+    saved = router_mod._FAST
+    router_mod._FAST = saved if kind == "native" else None  # make_index picks the index kind from it
+    try:
+        r = KVRouter(RouterConfig(block_size=C, model="m", offload_chunk_blocks={"CPU": 1, "STORAGE": 1},
+                                  pending_max_batches=10_000, pending_capacity=10_000))
+    finally:
+        router_mod._FAST = saved
+    assert isinstance(r._index, NativeBlockIndex) == (kind == "native")
     model = Model()
     for pod in PODS:  # every pod known from the start
         r.apply(pod, KVEventBatch(0.0, []))
@@ -172,7 +185,8 @@ def test_router_matches_brute_force_model(sc):
     # are 60-bit, and compacting / re-interning changes no answer
     idx = r._index
     assert idx.entries == sum(m.bit_count() for m in idx.masks.values())
-    assert all(idx.intern[m] is m for m in idx.masks.values() if m > 256)
+    if kind == "dict":
+        assert all(idx.intern[m] is m for m in idx.masks.values() if m > 256)
     assert all(0 <= k < 2**60 for k in idx.masks)
     before = [{p: s.tokens_by_tier for p, s in r.score(prompt).items()} for prompt in prompts]
     idx.compact(force=True)
