@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
+from kvevents.errors import DecodeError
 from kvevents.events import KVEventBatch
 
 from .fastingest import FastIngestMixin
@@ -201,11 +202,20 @@ class KVRouter(FastIngestMixin, IngestMixin):
         pod, model = self.pod_for(delivery.publisher, delivery.topic)  # type: ignore[attr-defined]
         self._pub_pod[delivery.publisher] = pod  # type: ignore[attr-defined]
         if kind == "batch":
-            if delivery.batch is None:  # type: ignore[attr-defined]
-                self._error("empty_delivery", f"pod {pod!r}: BATCH delivery without a batch", False)
-                return
+            batch = delivery.batch  # type: ignore[attr-defined]
             try:
-                self.apply(pod, delivery.batch, model=model)  # type: ignore[attr-defined]
+                if batch is not None:
+                    self.apply(pod, batch, model=model)
+                    return
+                payload = getattr(delivery, "payload", None)
+                if payload is None:
+                    self._error("empty_delivery", f"pod {pod!r}: BATCH delivery without a batch", False)
+                    return
+                try:  # a raw-mode subscriber: the payload, decoded here (in C where it is built)
+                    self.apply_payload(pod, payload, model=model)
+                except DecodeError as exc:  # a lost batch, as a subscriber that decodes reports it
+                    self._error("malformed_payload", f"pod {pod!r}: seq {delivery.seq}: {exc}", False)  # type: ignore[attr-defined]
+                    self.mark_unreliable(pod)
             except RouterInputError as exc:
                 self._error("bad_delivery", str(exc), False)
         elif kind == "reset":

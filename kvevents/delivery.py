@@ -9,7 +9,7 @@ from .events import KVEventBatch
 
 
 class DeliveryKind(enum.Enum):
-    BATCH = "batch"  #: a decoded batch, in sequence order for its publisher
+    BATCH = "batch"  #: a batch (decoded, or its payload in raw mode), in sequence order for its publisher
     RESET = "reset"  #: the publisher's sequence went backwards (it restarted): drop its state
     GAP = "gap"  #: batches were lost for good (replay could not cover them); ``missed`` says how many
 
@@ -25,6 +25,9 @@ class Delivery:
     missed: int = 0  #: GAP only: how many batches were lost
     replayed: bool = False  #: BATCH only: it came from the replay socket, not live
     reason: str = ""  #: GAP only: "lost" (replay could not cover it) or "malformed" (an undecodable payload)
+    #: BATCH from a ``Subscriber(raw=True)``: the payload, undecoded (``batch`` is then None);
+    #: the consumer decodes it (``KVRouter.apply_payload`` does, in C where it is built)
+    payload: bytes | None = None
 
 
 class HealthState(enum.Enum):

@@ -306,7 +306,8 @@ def replay_recording(path, targets: dict[str, tuple[str, str | None]], *, speed:
                             return False
                     elif stop.is_set():
                         return False
-                    pub.publish_raw(d.batch, seq=d.seq & 0xFFFFFFFFFFFFFFFF, topic=topic or d.topic)
+                    payload = d.payload if d.batch is None else d.batch  # (a raw stream: the payload)
+                    pub.publish_raw(payload, seq=d.seq & 0xFFFFFFFFFFFFFFFF, topic=topic or d.topic)
                     report.published[d.publisher] += 1
                     if on_publish is not None:
                         on_publish(d.publisher, d.seq)

@@ -29,8 +29,8 @@ _INF = float("inf")
 class DeliveryStream:
     """Push records in file order, get deliveries back; call :meth:`finish` at the end.
 
-    ``decode=False`` leaves each BATCH delivery's ``batch`` as the raw payload bytes (for
-    re-publishing exactly what was recorded). ``late_join=True`` treats each publisher's stream
+    ``decode=False`` leaves each BATCH delivery undecoded: ``batch`` None and ``payload`` the
+    recorded bytes (for re-publishing exactly what was recorded), as ``Subscriber(raw=True)``. ``late_join=True`` treats each publisher's stream
     as starting at seq 0, so replay answers recorded before its first live batch are used
     (recordings made with ``kvevents record --backfill``).
     """

@@ -76,8 +76,14 @@ class Subscriber:
         max_pending: int = 10_000,
         rcvhwm: int = 100_000,
         context: zmq.Context | None = None,
+        raw: bool = False,
     ) -> None:
         self.topic = topic
+        #: deliver payloads undecoded (``Delivery.payload``, ``batch`` None): for a consumer that
+        #: decodes them itself (``KVRouter.apply_payload``); a malformed payload then reaches
+        #: the consumer as a BATCH, which must count it (the router does, and marks the pod
+        #: unreliable as for a lost batch)
+        self.raw = raw
         self.late_join = late_join
         self.stale_after = stale_after
         self.replay_timeout = replay_timeout
@@ -245,11 +251,14 @@ class Subscriber:
         hooks = self.hooks
         if hooks is not None:
             t0 = time.time_ns()  # (~50 ns; the seq is not known until after the decode)
-        try:
-            batch = decode_batch(payload)  # the codec's fast path: the current encoding one call deep
-        except DecodeError:
-            self._count(peer, "payload")
-            batch = None
+        if self.raw:
+            batch = payload if type(payload) is bytes else bytes(payload)
+        else:
+            try:
+                batch = decode_batch(payload)  # the codec's fast path: the current encoding one call deep
+            except DecodeError:
+                self._count(peer, "payload")
+                batch = None
         seq = int.from_bytes(seq_b, "big")
         if hooks is not None and not seq % hooks.every:  # live receive hooks: sampled seqs only
             hooks.on_receive(peer.name, topic, seq, batch, len(payload), t0, False)
@@ -273,11 +282,14 @@ class Subscriber:
         hooks = self.hooks
         if hooks is not None:
             t0 = time.time_ns()
-        try:
-            batch = decode_batch(frames[3])
-        except DecodeError:
-            self._count(peer, "payload")
-            batch = None
+        if self.raw:
+            batch = frames[3] if type(frames[3]) is bytes else bytes(frames[3])
+        else:
+            try:
+                batch = decode_batch(frames[3])
+            except DecodeError:
+                self._count(peer, "payload")
+                batch = None
         seq = int.from_bytes(frames[2], "big")
         if hooks is not None:
             hooks.on_receive(peer.name, frames[1].decode(errors="replace"), seq, batch, len(frames[3]), t0, True)

@@ -66,6 +66,8 @@ class SeqTracker:
             self.live_high = seq
             h.last_seq = seq
             self.attempts = 0
+            if type(batch) is bytes:  # raw mode: the payload travels undecoded
+                return [Delivery(BATCH, self.publisher, self.topic, seq, None, now, 0, False, "", batch)]
             return [Delivery(BATCH, self.publisher, self.topic, seq, batch, now)]
         if seq <= self.live_high:
             # the live stream itself went backwards (ZeroMQ keeps one publisher's messages in
@@ -152,6 +154,8 @@ class SeqTracker:
         self.health.last_seq = seq
         if batch is None:
             out.append(Delivery(GAP, self.publisher, self.topic, seq, None, now, 1, False, "malformed"))
+        elif type(batch) is bytes:  # raw mode: the payload travels undecoded
+            out.append(Delivery(BATCH, self.publisher, self.topic, seq, None, now, 0, replayed, "", batch))
         else:
             out.append(Delivery(BATCH, self.publisher, self.topic, seq, batch, now, 0, replayed))
         if not self.recovering:

@@ -95,4 +95,4 @@ def test_late_join_uses_a_backfill_answer_recorded_before_live_batches():
 
 def test_raw_mode_keeps_the_payload_bytes():
     ds = list(iter_deliveries([live(0), live(1)], decode=False))
-    assert [d.batch for d in ds] == [_payload(0), _payload(1)]
+    assert [d.payload for d in ds] == [_payload(0), _payload(1)] and all(d.batch is None for d in ds)

@@ -76,6 +76,23 @@ def test_run_publisher_mapping_and_plain_iterables():
     assert r.stats.errors == {"empty_delivery": 1}
 
 
+def test_raw_deliveries_are_applied_from_their_payloads_and_malformed_ones_mark_the_pod():
+    from kvevents import encode_batch
+
+    b0 = batch(gpu([1, 2], None, toks(0, 2)))
+    b1 = batch(off([1, 2], "CPU"), rm([2], "GPU"))
+    decoded, raw = KVRouter(RouterConfig()), KVRouter(RouterConfig())
+    decoded.run(FakeSubscriber([d_batch("tcp://a", TOPIC_A, 0, b0), d_batch("tcp://a", TOPIC_A, 1, b1)]))
+    raw.run(FakeSubscriber([Delivery(DeliveryKind.BATCH, "tcp://a", TOPIC_A, i, None, payload=encode_batch(b))
+                            for i, b in enumerate((b0, b1))]))
+    assert {p: s.tokens_by_tier for p, s in raw.score(toks(0, 2)).items()} == \
+        {p: s.tokens_by_tier for p, s in decoded.score(toks(0, 2)).items()} == {"pod-a": {"GPU": 16, "CPU": 16}}
+    assert raw.stats.as_dict() == decoded.stats.as_dict()
+    raw.run(FakeSubscriber([Delivery(DeliveryKind.BATCH, "tcp://a", TOPIC_A, 2, None, payload=b"\x93\xc1")]))
+    assert raw.stats.errors == {"malformed_payload": 1} and raw.stats.gaps == 1
+    assert "pod-a" not in raw.score(toks(0, 2)) and raw.explain(toks(0, 2))["pod-a"][0].state == "UNRELIABLE"
+
+
 def test_run_stops_on_event():
     import threading
 

@@ -336,3 +336,24 @@ def test_tracker_replay_running_ahead_of_the_live_socket_is_not_a_restart() -> N
     assert t.health.resets == 0
     # and a real restart (the live socket going backwards) is still one
     assert [d.kind for d in t.on_live(0, batch(0), 0)] == [RESET, BATCH]
+
+
+def test_raw_mode_delivers_payloads_undecoded_and_heals_gaps_too() -> None:
+    ep, rep = ipc_pair()
+    holder: dict = {}
+    pub = ZmqEventPublisher(ep, rep, drop_live=lambda seq: seq in holder.get("drop", ()))
+    sub = Subscriber([(ep, rep, "p")], raw=True)
+    try:
+        start = wait_connected(pub, sub)
+        holder["drop"] = {start + 2, start + 3}
+        for i in range(10):
+            pub.publish(batch(i))
+        got = collect(sub, lambda g: len(seqs(g)) >= 10)
+        assert seqs(got) == list(range(start, start + 10))
+        batches = [d for d in got if d.kind is BATCH]
+        assert all(d.batch is None and type(d.payload) is bytes for d in batches)
+        assert [kvevents.decode_batch(d.payload) for d in batches] == [batch(i) for i in range(10)]
+        assert any(d.replayed for d in batches) and not any(d.kind is GAP for d in got)
+    finally:
+        sub.close()
+        pub.shutdown()

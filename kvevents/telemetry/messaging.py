@@ -187,7 +187,7 @@ class SubscriberHooks:
                  "messaging.destination.name": topic, "messaging.message.id": mid,
                  "messaging.message.body.size": nbytes, "kvevents.seq": seq, "kvevents.publisher": publisher,
                  "kvevents.replayed": replayed}
-        if batch is not None:
+        if batch is not None and not isinstance(batch, bytes):  # (raw mode: the payload, not decoded here)
             attrs["messaging.batch.message_count"] = len(batch.events)
         span = tracer.start_span(f"receive {topic}", context=_ctx_of(parent), kind=SpanKind.CONSUMER,
                                  start_time=t0, attributes=attrs,
