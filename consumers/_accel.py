@@ -46,7 +46,7 @@ def _self_check(mod: ModuleType, chain_py: Callable) -> str | None:
     lmap: dict = {}
     table = mod.MaskTable(bits=64)
     stats, learned = RouterStats(), LearnedMap(1 << 30)
-    ctx = (0, None, lmap, table, {}, 99, bs, [False], 0, 0, ("GPU",), (0,), (2,), (False,), 1 << 30, stats, learned)
+    ctx = (0, None, lmap, table, 99, bs, [False], 0, 0, ("GPU",), (0,), (2,), (False,), 1 << 30, stats, learned)
     out = mod.apply(payload, 0, {}, 0, lambda pod, model, rank: ctx, "probe", None)
     keys = chain_py(_PROBE[: n * bs], 99, bs)
     if out is None or out[0] != 0 or [lmap.get(h) for h in hashes] != keys:

@@ -663,7 +663,7 @@ counter_add(PyObject *obj, int k, long long delta)
 
 typedef struct {
     /* from the context */
-    PyObject *ep, *lmap, *parents, *seed, *odd, *tier_names, *bits, *store_chunk, *remove_one, *stats, *learned;
+    PyObject *ep, *lmap, *seed, *odd, *tier_names, *bits, *store_chunk, *remove_one, *stats, *learned;
     MaskTable *table;
     Py_ssize_t n_tiers;
     int64_t C;
@@ -832,16 +832,19 @@ apply_stored_gpu(Ctx *c, Ev *ev, int tier)
     c->blocks_stored += n;
     /* index.add_chain(keys, bit, None if no parent else pv) */
     uint32_t bit = bit_of(c, tier);
-    PyObject *prev = ev->parent_kind == 0 ? NULL : pv;
+    uint64_t prev = MT_NOPAR;
+    if (ev->parent_kind != 0) {
+        prev = AS_U64(pv);
+        if (prev == (uint64_t)-1 && PyErr_Occurred())
+            goto free;
+    }
     int64_t fresh = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (prev != NULL && PyDict_SetItem(c->parents, keys[i], prev) < 0)
-            goto free;
-        prev = keys[i];
-        int f = mt_set_bit(c->table, kv[i], bit);
+        int f = mt_set_bit_parent(c->table, kv[i], bit, prev);
         if (f < 0)
             goto free;
         fresh += f;
+        prev = kv[i];
     }
     (void)fresh;
     rc = 0;
@@ -977,34 +980,33 @@ free:
 }
 
 /* The endpoint's context, a tuple made by KVRouter._fast_ctx:
- * (stamp, endpoint, lmap, table, parents, seed, C, odd, block_size, token_tiers, tier_names,
- *  bits, store_chunk, remove_one, max_entries, stats, learned) */
-#define CTX_LEN 17
+ * (stamp, endpoint, lmap, table, seed, C, odd, block_size, token_tiers, tier_names, bits,
+ *  store_chunk, remove_one, max_entries, stats, learned) */
+#define CTX_LEN 16
 
 static int
 ctx_from(PyObject *t, Ctx *c)
 {
     if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != CTX_LEN) {
-        PyErr_SetString(PyExc_TypeError, "fastpath context: a 17-tuple expected");
+        PyErr_SetString(PyExc_TypeError, "fastpath context: a 16-tuple expected");
         return -1;
     }
     memset(c, 0, sizeof(*c));
     c->ep = PyTuple_GET_ITEM(t, 1);
     c->lmap = PyTuple_GET_ITEM(t, 2);
     PyObject *table = PyTuple_GET_ITEM(t, 3);
-    c->parents = PyTuple_GET_ITEM(t, 4);
-    c->seed = PyTuple_GET_ITEM(t, 5);
-    c->C = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 6));
-    c->odd = PyTuple_GET_ITEM(t, 7);
-    c->block_size = c->block_size0 = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 8));
-    c->token_tiers = c->token_tiers0 = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 9));
-    c->tier_names = PyTuple_GET_ITEM(t, 10);
-    c->bits = PyTuple_GET_ITEM(t, 11);
-    c->store_chunk = PyTuple_GET_ITEM(t, 12);
-    c->remove_one = PyTuple_GET_ITEM(t, 13);
-    c->max_entries = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 14));
-    c->stats = PyTuple_GET_ITEM(t, 15);
-    c->learned = PyTuple_GET_ITEM(t, 16);
+    c->seed = PyTuple_GET_ITEM(t, 4);
+    c->C = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 5));
+    c->odd = PyTuple_GET_ITEM(t, 6);
+    c->block_size = c->block_size0 = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 7));
+    c->token_tiers = c->token_tiers0 = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 8));
+    c->tier_names = PyTuple_GET_ITEM(t, 9);
+    c->bits = PyTuple_GET_ITEM(t, 10);
+    c->store_chunk = PyTuple_GET_ITEM(t, 11);
+    c->remove_one = PyTuple_GET_ITEM(t, 12);
+    c->max_entries = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 13));
+    c->stats = PyTuple_GET_ITEM(t, 14);
+    c->learned = PyTuple_GET_ITEM(t, 15);
     if (PyErr_Occurred())
         return -1;
     if (stats_type == NULL || Py_TYPE(c->stats) != stats_type || Py_TYPE(c->learned) != learned_type) {
@@ -1012,7 +1014,7 @@ ctx_from(PyObject *t, Ctx *c)
         return -1;
     }
     if (!PyDict_CheckExact(c->lmap) || !PyObject_TypeCheck(table, &MaskTableType) ||
-        !PyDict_CheckExact(c->parents) || !PyLong_CheckExact(c->seed) || !PyList_Check(c->odd) ||
+        !PyLong_CheckExact(c->seed) || !PyList_Check(c->odd) ||
         PyList_GET_SIZE(c->odd) < 1 || !PyTuple_Check(c->tier_names) || !PyTuple_Check(c->bits) ||
         !PyTuple_Check(c->store_chunk) || !PyTuple_Check(c->remove_one) || c->C <= 0) {
         PyErr_SetString(PyExc_TypeError, "fastpath context: wrong types");

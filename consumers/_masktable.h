@@ -16,6 +16,7 @@
  */
 
 #define MT_NONE ((uint32_t)0xFFFFFFFFu)
+#define MT_NOPAR ((uint64_t)0xFFFFFFFFFFFFFFFFULL) /* no parent link */
 
 typedef struct {
     PyObject_HEAD
@@ -27,6 +28,7 @@ typedef struct {
     uint32_t head;      /* oldest */
     uint32_t tail;      /* newest */
     uint64_t *key;
+    uint64_t *par;      /* the key's parent key (what index.parents holds), or MT_NOPAR */
     uint64_t *bits;     /* cap * W */
     uint32_t *prv;
     uint32_t *nxt;
@@ -103,6 +105,9 @@ mt_reserve(MaskTable *t)
         uint64_t *key = PyMem_RawRealloc(t->key, ncap * sizeof(uint64_t));
         if (key == NULL) goto nomem;
         t->key = key;
+        uint64_t *par = PyMem_RawRealloc(t->par, ncap * sizeof(uint64_t));
+        if (par == NULL) goto nomem;
+        t->par = par;
         uint64_t *bits = PyMem_RawRealloc(t->bits, ncap * t->W * sizeof(uint64_t));
         if (bits == NULL) goto nomem;
         t->bits = bits;
@@ -159,6 +164,7 @@ mt_get_or_add(MaskTable *t, uint64_t k, int *created)
         e = t->used++;
     }
     t->key[e] = k;
+    t->par[e] = MT_NOPAR;
     memset(t->bits + (size_t)e * t->W, 0, t->W * sizeof(uint64_t));
     t->slot[pos] = e + 1;
     mt_link_tail(t, e);
@@ -207,14 +213,17 @@ mt_popcount(const uint64_t *w, uint32_t W)
     return c;
 }
 
-/* set bit b of k's mask, moving k to the newest end: 1 if new, 0 if it was set, -1 error */
+/* set bit b of k's mask, moving k to the newest end, and link k to `parent` unless that is
+ * MT_NOPAR: 1 if the bit is new, 0 if it was set, -1 error */
 static int
-mt_set_bit(MaskTable *t, uint64_t k, uint32_t b)
+mt_set_bit_parent(MaskTable *t, uint64_t k, uint32_t b, uint64_t parent)
 {
     int created;
     uint32_t e = mt_get_or_add(t, k, &created);
     if (e == MT_NONE)
         return -1;
+    if (parent != MT_NOPAR)
+        t->par[e] = parent;
     if (!created && e != t->tail) {
         mt_unlink(t, e);
         mt_link_tail(t, e);
@@ -227,6 +236,20 @@ mt_set_bit(MaskTable *t, uint64_t k, uint32_t b)
     *w |= m;
     t->entries++;
     return 1;
+}
+
+static inline int
+mt_set_bit(MaskTable *t, uint64_t k, uint32_t b)
+{
+    return mt_set_bit_parent(t, k, b, MT_NOPAR);
+}
+
+/* the parent key of k, or MT_NOPAR (no key, or no link) */
+static inline uint64_t
+mt_parent(const MaskTable *t, uint64_t k)
+{
+    uint32_t e = mt_find(t, k, NULL);
+    return e == MT_NONE ? MT_NOPAR : t->par[e];
 }
 
 /* clear bit b of k's mask (no move): 1 if it was set */
@@ -320,6 +343,7 @@ static void
 mt_dealloc(MaskTable *t)
 {
     PyMem_RawFree(t->key);
+    PyMem_RawFree(t->par);
     PyMem_RawFree(t->bits);
     PyMem_RawFree(t->prv);
     PyMem_RawFree(t->nxt);
@@ -446,6 +470,156 @@ mt_py_set_bit(MaskTable *t, PyObject *args)
     }
     Py_DECREF(seq);
     return PyLong_FromSsize_t(fresh);
+}
+
+/* set_chain(keys, bit, parent) -> new entries: keys is a chain (each links to the one before,
+ * the first to `parent` unless it is None), as BlockIndex.add_chain */
+static PyObject *
+mt_py_set_chain(MaskTable *t, PyObject *args)
+{
+    PyObject *keys, *bo, *po;
+    if (!PyArg_ParseTuple(args, "OOO:set_chain", &keys, &bo, &po))
+        return NULL;
+    uint32_t b;
+    if (mt_bit_arg(t, bo, &b) < 0)
+        return NULL;
+    uint64_t prev = MT_NOPAR;
+    if (po != Py_None && !mt_key_of(po, &prev)) {
+        PyErr_SetString(PyExc_ValueError, "set_chain: the parent must be None or an int in [0, 2**64 - 1)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(keys, "set_chain: keys must be a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), fresh = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t k;
+        if (!mt_key_of(PySequence_Fast_GET_ITEM(seq, i), &k) || k == MT_NOPAR) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "set_chain: a key must be an int in [0, 2**64 - 1)");
+            return NULL;
+        }
+        int f = mt_set_bit_parent(t, k, b, prev);
+        if (f < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        fresh += f;
+        prev = k;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(fresh);
+}
+
+/* parent(key) -> the parent key or None */
+static PyObject *
+mt_py_parent(MaskTable *t, PyObject *o)
+{
+    uint64_t k, p;
+    if (!mt_key_of(o, &k) || (p = mt_parent(t, k)) == MT_NOPAR)
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(p);
+}
+
+/* walk_back(key, n, stop=None) -> up to n keys ending at key, oldest first, stopping before `stop` */
+static PyObject *
+mt_py_walk_back(MaskTable *t, PyObject *args)
+{
+    PyObject *ko, *so = Py_None;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "On|O:walk_back", &ko, &n, &so))
+        return NULL;
+    uint64_t k, stop = MT_NOPAR;
+    int has_stop = so != Py_None && mt_key_of(so, &stop);
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    if (PyList_Append(out, ko) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    if (mt_key_of(ko, &k)) {
+        while (PyList_GET_SIZE(out) < n) {
+            k = mt_parent(t, k);
+            if (k == MT_NOPAR || (has_stop && k == stop))
+                break;
+            PyObject *v = PyLong_FromUnsignedLongLong(k);
+            if (v == NULL || PyList_Append(out, v) < 0) {
+                Py_XDECREF(v);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(v);
+        }
+    }
+    if (PyList_Reverse(out) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+/* keys_between(key, stop, limit) -> the keys after `stop` up to and including `key`, oldest
+ * first; None if `stop` is not an ancestor within `limit` steps */
+static PyObject *
+mt_py_keys_between(MaskTable *t, PyObject *args)
+{
+    PyObject *ko, *so;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "OOn:keys_between", &ko, &so, &limit))
+        return NULL;
+    uint64_t k, stop;
+    if (!mt_key_of(ko, &k) || !mt_key_of(so, &stop))
+        Py_RETURN_NONE;
+    Py_ssize_t steps = 0;
+    uint64_t cur = k;
+    for (; steps < limit; steps++) {
+        cur = mt_parent(t, cur);
+        if (cur == MT_NOPAR)
+            Py_RETURN_NONE;
+        if (cur == stop)
+            break;
+    }
+    if (steps == limit)
+        Py_RETURN_NONE;
+    /* steps + 1 keys: key and its `steps` ancestors below stop */
+    PyObject *out = PyList_New(steps + 1);
+    if (out == NULL)
+        return NULL;
+    cur = k;
+    for (Py_ssize_t i = steps; i >= 0; i--) {
+        PyObject *v = PyLong_FromUnsignedLongLong(cur);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+        cur = mt_parent(t, cur);
+    }
+    return out;
+}
+
+/* parents() -> {key: parent} of every linked key, oldest first (introspection, tests) */
+static PyObject *
+mt_py_parents(MaskTable *t, PyObject *unused)
+{
+    PyObject *out = PyDict_New();
+    if (out == NULL)
+        return NULL;
+    for (uint32_t e = t->head; e != MT_NONE; e = t->nxt[e]) {
+        if (t->par[e] == MT_NOPAR)
+            continue;
+        PyObject *k = PyLong_FromUnsignedLongLong(t->key[e]);
+        PyObject *v = PyLong_FromUnsignedLongLong(t->par[e]);
+        int rc = (k == NULL || v == NULL) ? -1 : PyDict_SetItem(out, k, v);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        if (rc < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
 }
 
 static PyObject *
@@ -582,7 +756,7 @@ mt_py_grow(MaskTable *t, PyObject *args)
 static PyObject *
 mt_py_nbytes(MaskTable *t, PyObject *unused)
 {
-    size_t b = sizeof(MaskTable) + (size_t)t->cap * (sizeof(uint64_t) * (1 + t->W) + 2 * sizeof(uint32_t)) +
+    size_t b = sizeof(MaskTable) + (size_t)t->cap * (sizeof(uint64_t) * (2 + t->W) + 2 * sizeof(uint32_t)) +
                ((size_t)t->slot_mask + 1) * sizeof(uint32_t);
     return PyLong_FromSize_t(b);
 }
@@ -642,6 +816,11 @@ static PyMethodDef mt_methods[] = {
     {"values", (PyCFunction)mt_values, METH_NOARGS, "masks, oldest key first"},
     {"items", (PyCFunction)mt_items, METH_NOARGS, "(key, mask), oldest first"},
     {"set_bit", (PyCFunction)mt_py_set_bit, METH_VARARGS, "set_bit(keys, bit) -> new entries; moves keys to the newest end"},
+    {"set_chain", (PyCFunction)mt_py_set_chain, METH_VARARGS, "set_chain(keys, bit, parent) -> new entries; links the chain"},
+    {"parent", (PyCFunction)mt_py_parent, METH_O, "parent(key) -> its parent key or None"},
+    {"walk_back", (PyCFunction)mt_py_walk_back, METH_VARARGS, "walk_back(key, n, stop=None) -> keys, oldest first"},
+    {"keys_between", (PyCFunction)mt_py_keys_between, METH_VARARGS, "keys_between(key, stop, limit) -> keys or None"},
+    {"parents", (PyCFunction)mt_py_parents, METH_NOARGS, "{key: parent} of every linked key"},
     {"clear_bit", (PyCFunction)mt_py_clear_bit, METH_VARARGS, "clear_bit(keys, bit) -> entries cleared"},
     {"clear_bits", (PyCFunction)mt_py_clear_bits, METH_O, "clear_bits(bits) -> entries cleared, over every key"},
     {"evict", (PyCFunction)mt_py_evict, METH_O, "evict(target) -> (keys, entries): oldest keys dropped"},

@@ -110,7 +110,7 @@ class FastIngestMixin:
         token_mask = 0
         for t in ep.token_tiers:
             token_mask |= 1 << t
-        ctx = (self._py_touch, ep, ep.lmap, index.masks, index.parents, ep.seed, self._bs, ep.odd, ep.block_size,
+        ctx = (self._py_touch, ep, ep.lmap, index.masks, ep.seed, self._bs, ep.odd, ep.block_size,
                token_mask, names, tuple(bits), tuple(store_chunk), tuple(remove_one), index.max_entries,
                self.stats, self._learned)
         self._fast_ctxs.setdefault(pod, {})[rank] = ctx

@@ -286,6 +286,9 @@ class BlockIndex:
     def distinct_masks(self) -> int:
         return len(self.intern)
 
+    def parents_nbytes(self) -> int:
+        return sys.getsizeof(self.parents)
+
 
 class NativeBlockIndex(BlockIndex):
     """The same index with its masks in C (``consumers._fastpath.MaskTable``).
@@ -295,7 +298,7 @@ class NativeBlockIndex(BlockIndex):
     oldest first, ``values``) with Python ints as values, so scoring and ``explain`` read it
     as they read the dict. No mask objects exist, so nothing is interned and nothing needs
     compacting. Used whenever the C extension is built; the C ingest path writes to it
-    directly. ``parents`` stays a dict.
+    directly. The parent links live in the table's entries too (``parents`` is a snapshot).
     """
 
     __slots__ = ("_table",)
@@ -338,13 +341,25 @@ class NativeBlockIndex(BlockIndex):
         self._added(self.masks.set_bit(keys, bit.bit_length() - 1), len(keys))  # type: ignore[attr-defined]
 
     def add_chain(self, keys: list[int], bit: int, parent: int | None) -> None:
-        parents = self.parents
-        prev = parent
-        for k in keys:
-            if prev is not None:
-                parents[k] = prev
-            prev = k
-        self._added(self.masks.set_bit(keys, bit.bit_length() - 1), len(keys))  # type: ignore[attr-defined]
+        self._added(self.masks.set_chain(keys, bit.bit_length() - 1, parent), len(keys))  # type: ignore[attr-defined]
+
+    @property  # type: ignore[override]
+    def parents(self) -> dict[int, int]:
+        """A snapshot ``{key: parent}``: the links live in the table's entries."""
+        return self.masks.parents()  # type: ignore[attr-defined]
+
+    @parents.setter
+    def parents(self, value: object) -> None:  # (the base class's __init__ sets a dict: ignored)
+        return None
+
+    def walk_back(self, key: int, n: int, stop: int | None = None) -> list[int]:
+        return self.masks.walk_back(key, n, stop)  # type: ignore[attr-defined]
+
+    def keys_between(self, key: int, stop: int, limit: int) -> list[int] | None:
+        return self.masks.keys_between(key, stop, limit)  # type: ignore[attr-defined]
+
+    def parents_nbytes(self) -> int:
+        return 0  # inside masks_nbytes()
 
     def remove(self, keys: list[int], bit: int) -> int:
         return self.masks.clear_bit(keys, bit.bit_length() - 1)  # type: ignore[attr-defined]
@@ -354,9 +369,6 @@ class NativeBlockIndex(BlockIndex):
 
     def evict(self) -> None:
         keys, dropped = self.masks.evict(self.low_water)  # type: ignore[attr-defined]
-        pop = self.parents.pop
-        for k in keys:
-            pop(k, None)
         self.evicted_entries += dropped
         self.evicted_keys += len(keys)
 

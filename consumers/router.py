@@ -457,7 +457,7 @@ class KVRouter(FastIngestMixin, IngestMixin):
         idx = self._index
         size = sys.getsizeof
         masks_b = idx.masks_nbytes()
-        parents_b = size(idx.parents)
+        parents_b = idx.parents_nbytes()
         learned_b = 0
         for m in self._learned.maps.values():
             learned_b += size(m) + sum(map(size, m))

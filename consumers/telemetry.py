@@ -182,7 +182,7 @@ class _IndexScan:
         lanes = index.lane_counts(len(tiers))
         counts = {name: lanes[t] for name, t in tiers}
         size = sys.getsizeof
-        total = index.masks_nbytes() + size(index.parents)
+        total = index.masks_nbytes() + index.parents_nbytes()
         for lmap in list(r._learned.maps.values()):
             total += size(lmap) + 28 * len(lmap)
         n = sum(counts.values()) or 1
