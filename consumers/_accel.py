@@ -43,7 +43,7 @@ def _self_check(mod: ModuleType, chain_py: Callable) -> str | None:
     from .router_config import RouterStats
 
     mod.bind_counters(RouterStats, LearnedMap)
-    lmap: dict = {}
+    lmap = mod.LearnedTable()
     table = mod.MaskTable(bits=64)
     stats, learned = RouterStats(), LearnedMap(1 << 30)
     ctx = (0, None, lmap, table, 99, bs, [False], 0, 0, ("GPU",), (0,), (2,), (False,), 1 << 30, stats, learned)

@@ -39,6 +39,7 @@
 #endif
 
 #include "_masktable.h"
+#include "_learned.h"
 
 /* ------------------------------------------------------------------ CPython's hashes */
 
@@ -663,8 +664,10 @@ counter_add(PyObject *obj, int k, long long delta)
 
 typedef struct {
     /* from the context */
-    PyObject *ep, *lmap, *seed, *odd, *tier_names, *bits, *store_chunk, *remove_one, *stats, *learned;
+    PyObject *ep, *seed, *odd, *tier_names, *bits, *store_chunk, *remove_one, *stats, *learned;
+    LearnedTable *lmap;
     MaskTable *table;
+    uint64_t seed_u;
     Py_ssize_t n_tiers;
     int64_t C;
     int64_t block_size, block_size0;
@@ -673,17 +676,6 @@ typedef struct {
     /* tallies */
     Py_ssize_t events, blocks_stored, offload_blocks, blocks_removed, remove_unknown, ignored;
 } Ctx;
-
-static PyObject *
-hash_obj(const uint8_t **pp)
-{
-    Rd r = {*pp, *pp + 9};
-    uint64_t u = 0;
-    int64_t s = 0;
-    int k = rd_int(&r, &u, &s);
-    *pp = r.p;
-    return k == 1 ? PyLong_FromUnsignedLongLong(u) : PyLong_FromLongLong(s);
-}
 
 static int
 tier_of(Ctx *c, const uint8_t *medium, size_t len)
@@ -702,13 +694,6 @@ tier_of(Ctx *c, const uint8_t *medium, size_t len)
     return -1;
 }
 
-/* Python's int for a learned value, or NULL with no error if absent */
-static inline PyObject *
-lget(Ctx *c, PyObject *h)
-{
-    return PyDict_GetItemWithError(c->lmap, h);
-}
-
 #define SLOW 1
 #define BOOKKEEP 2
 #define ERR -1
@@ -725,138 +710,113 @@ bit_of(Ctx *c, int tier)
     return (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(c->bits, tier));
 }
 
+/* the event's hashes as u64 into out (all non-negative ints, else 0: Python decides) */
+static int
+hashes_u64(const Ev *ev, uint64_t *out)
+{
+    const uint8_t *hp = ev->hashes;
+    for (uint32_t i = 0; i < ev->n_hashes; i++) {
+        Rd r = {hp, hp + 9};
+        uint64_t u = 0;
+        int64_t sv = 0;
+        if (rd_int(&r, &u, &sv) != 1)
+            return 0; /* a signed hash: keyed differently in Python, which decides */
+        hp = r.p;
+        out[i] = u;
+    }
+    return 1;
+}
+
+#define U64_STACK 64
+
 static int
 apply_stored_gpu(Ctx *c, Ev *ev, int tier)
 {
     Py_ssize_t n = ev->n_hashes;
-    PyObject *pv = NULL; /* borrowed or owned below */
-    int own_pv = 0;
+    uint64_t pv;
+    int is_int;
+    uint64_t u;
+    PyObject *obj;
     if (ev->parent_kind == 0) {
         if (ev->lora)
             return SLOW;
-        pv = c->seed;
+        pv = c->seed_u;
     } else {
-        PyObject *ph = ev->parent_kind == 1 ? PyLong_FromUnsignedLongLong(ev->parent_u)
-                                            : PyLong_FromLongLong(ev->parent_s);
-        if (ph == NULL)
-            return ERR;
-        pv = PyDict_GetItemWithError(c->lmap, ph);
-        Py_DECREF(ph);
-        if (pv == NULL)
-            return PyErr_Occurred() ? ERR : SLOW; /* orphan: the Python path counts it */
-        if (!PyLong_CheckExact(pv))
+        if (ev->parent_kind != 1)
             return SLOW;
-        Py_INCREF(pv);
-        own_pv = 1;
+        int f = lt_lookup(c->lmap, ev->parent_u, &is_int, &u, &obj);
+        if (f < 0)
+            return ERR;
+        if (f == 0 || !is_int)
+            return SLOW; /* orphan or a partial-block parent: the Python path */
+        pv = u;
     }
-    int rc = ERR;
-    PyObject **hashes = PyMem_Malloc((sizeof(PyObject *) * 2 + sizeof(uint64_t)) * (size_t)n);
-    if (hashes == NULL) {
+    uint64_t stack[2 * U64_STACK];
+    uint64_t *hs = n <= U64_STACK ? stack : PyMem_Malloc(sizeof(uint64_t) * 2 * (size_t)n);
+    if (hs == NULL) {
         PyErr_NoMemory();
+        return ERR;
+    }
+    uint64_t *ks = hs + (n <= U64_STACK ? U64_STACK : n);
+    int rc = ERR;
+    if (!hashes_u64(ev, hs)) {
+        rc = SLOW;
         goto out;
     }
-    PyObject **keys = hashes + n;
-    uint64_t *kv = (uint64_t *)(keys + n);
-    Py_ssize_t made_h = 0, made_k = 0;
-    const uint8_t *hp = ev->hashes;
-    for (; made_h < n; made_h++) {
-        hashes[made_h] = hash_obj(&hp);
-        if (hashes[made_h] == NULL)
-            goto free;
-    }
     /* already learned (e.g. from another pod): take the keys, no hashing */
-    int odd = PyObject_IsTrue(PyList_GET_ITEM(c->odd, 0));
     int learned = 0;
-    PyObject *first = lget(c, hashes[0]);
-    if (first == NULL && PyErr_Occurred())
-        goto free;
-    if (first != NULL) {
+    int f = lt_lookup(c->lmap, hs[0], &is_int, &u, &obj);
+    if (f < 0)
+        goto out;
+    if (f == 1) {
         learned = 1;
         for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *v = lget(c, hashes[i]);
-            if (v == NULL) {
-                if (PyErr_Occurred())
-                    goto free;
+            f = lt_lookup(c->lmap, hs[i], &is_int, &u, &obj);
+            if (f < 0)
+                goto out;
+            if (f == 0 || !is_int) {
                 learned = 0;
                 break;
             }
-            if (odd && !PyLong_CheckExact(v)) {
-                learned = 0;
-                break;
-            }
-            kv[i] = AS_U64(v);
-            if (kv[i] == (uint64_t)-1 && PyErr_Occurred()) {
-                PyErr_Clear();
-                learned = 0;
-                break;
-            }
-            keys[i] = v; /* borrowed for now */
-        }
-        if (learned) {
-            for (Py_ssize_t i = 0; i < n; i++)
-                Py_INCREF(keys[i]);
-            made_k = n;
+            ks[i] = u;
         }
     }
     if (!learned) {
-        uint64_t k = AS_U64(pv);
-        if (k == (uint64_t)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            rc = SLOW; /* a parent value this chain cannot continue from: Python decides */
-            goto free;
-        }
+        uint64_t k = pv;
         const uint8_t *tp = ev->toks;
         int64_t C = c->C;
-        for (; made_k < n; made_k++) {
+        for (Py_ssize_t b = 0; b < n; b++) {
             uint64_t acc = XXP5;
             for (int64_t j = 0; j < C; j++) {
                 Rd r = {tp, tp + 9};
-                uint64_t u;
-                int64_t s;
-                int kind = rd_int(&r, &u, &s);
+                uint64_t tu = 0;
+                int64_t ts = 0;
+                int kind = rd_int(&r, &tu, &ts);
                 tp = r.p;
-                acc = lane_mix(acc, kind == 1 ? int_hash_u(u) : int_hash_s(s));
+                acc = lane_mix(acc, kind == 1 ? int_hash_u(tu) : int_hash_s(ts));
             }
             k = chain_step(k, tuple_end(acc, (uint64_t)C));
-            kv[made_k] = k;
-            keys[made_k] = PyLong_FromUnsignedLongLong(k);
-            if (keys[made_k] == NULL)
-                goto free;
+            ks[b] = k;
         }
         for (Py_ssize_t i = 0; i < n; i++)
-            if (PyDict_SetItem(c->lmap, hashes[i], keys[i]) < 0)
-                goto free;
+            if (lt_set_int(c->lmap, hs[i], ks[i]) < 0)
+                goto out;
     }
     c->block_size = c->C;
     c->token_tiers |= (uint64_t)1 << tier;
     c->blocks_stored += n;
     /* index.add_chain(keys, bit, None if no parent else pv) */
     uint32_t bit = bit_of(c, tier);
-    uint64_t prev = MT_NOPAR;
-    if (ev->parent_kind != 0) {
-        prev = AS_U64(pv);
-        if (prev == (uint64_t)-1 && PyErr_Occurred())
-            goto free;
-    }
-    int64_t fresh = 0;
+    uint64_t prev = ev->parent_kind != 0 ? pv : MT_NOPAR;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int f = mt_set_bit_parent(c->table, kv[i], bit, prev);
-        if (f < 0)
-            goto free;
-        fresh += f;
-        prev = kv[i];
+        if (mt_set_bit_parent(c->table, ks[i], bit, prev) < 0)
+            goto out;
+        prev = ks[i];
     }
-    (void)fresh;
     rc = 0;
-free:
-    for (Py_ssize_t i = 0; i < made_h; i++)
-        Py_DECREF(hashes[i]);
-    for (Py_ssize_t i = 0; i < made_k; i++)
-        Py_DECREF(keys[i]);
-    PyMem_Free(hashes);
 out:
-    if (own_pv)
-        Py_DECREF(pv);
+    if (hs != stack)
+        PyMem_Free(hs);
     return rc;
 }
 
@@ -871,45 +831,39 @@ apply_stored_offload(Ctx *c, Ev *ev, int tier)
         return SLOW;
     if (c->block_size != c->C || PyObject_IsTrue(PyList_GET_ITEM(c->odd, 0)))
         return SLOW;
-    uint64_t stack_keys[64];
-    uint64_t *keys = n <= 64 ? stack_keys : PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
-    if (keys == NULL) {
+    uint64_t stack[U64_STACK];
+    uint64_t *ks = n <= U64_STACK ? stack : PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
+    if (ks == NULL) {
         PyErr_NoMemory();
         return ERR;
     }
     int rc = ERR;
-    const uint8_t *hp = ev->hashes;
+    if (!hashes_u64(ev, ks)) {
+        rc = SLOW;
+        goto out;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = hash_obj(&hp);
-        if (h == NULL)
-            goto free;
-        PyObject *v = lget(c, h);
-        Py_DECREF(h);
-        if (v == NULL) {
-            rc = PyErr_Occurred() ? ERR : SLOW; /* not joinable yet: held by the Python path */
-            goto free;
+        int is_int;
+        uint64_t u;
+        PyObject *obj;
+        int f = lt_lookup(c->lmap, ks[i], &is_int, &u, &obj);
+        if (f < 0)
+            goto out;
+        if (f == 0 || !is_int) {
+            rc = SLOW; /* not joinable yet (held by the Python path), or a partial block */
+            goto out;
         }
-        keys[i] = AS_U64(v);
-        if (keys[i] == (uint64_t)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            rc = SLOW;
-            goto free;
-        }
+        ks[i] = u;
     }
     c->offload_blocks += n;
     uint32_t bit = bit_of(c, tier);
-    int64_t fresh = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int f = mt_set_bit(c->table, keys[i], bit);
-        if (f < 0)
-            goto free;
-        fresh += f;
-    }
-    (void)fresh;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (mt_set_bit(c->table, ks[i], bit) < 0)
+            goto out;
     rc = 0;
-free:
-    if (keys != stack_keys)
-        PyMem_Free(keys);
+out:
+    if (ks != stack)
+        PyMem_Free(ks);
     return rc;
 }
 
@@ -924,57 +878,51 @@ apply_removed(Ctx *c, Ev *ev, int tier)
     if (!token_tier && !PyObject_IsTrue(PyTuple_GET_ITEM(c->remove_one, tier)))
         return SLOW;
     Py_ssize_t n = ev->n_hashes;
-    uint32_t bit = bit_of(c, tier);
-    /* check first: every learned value must be a plain key */
-    uint64_t stack_keys[64];
-    int8_t stack_known[64];
-    uint64_t *keys = n <= 64 ? stack_keys : PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
-    int8_t *known = n <= 64 ? stack_known : PyMem_Malloc((size_t)n);
+    uint64_t stack[U64_STACK];
+    int8_t known_stack[U64_STACK];
+    uint64_t *ks = n <= U64_STACK ? stack : PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
+    int8_t *known = n <= U64_STACK ? known_stack : PyMem_Malloc((size_t)n);
     int rc = ERR;
-    if (keys == NULL || known == NULL) {
+    if (ks == NULL || known == NULL) {
         PyErr_NoMemory();
-        goto free;
+        goto out;
     }
-    const uint8_t *hp = ev->hashes;
+    if (!hashes_u64(ev, ks)) {
+        rc = SLOW;
+        goto out;
+    }
+    /* check first: every learned value must be a plain key */
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = hash_obj(&hp);
-        if (h == NULL)
-            goto free;
-        PyObject *v = lget(c, h);
-        Py_DECREF(h);
-        known[i] = v != NULL;
-        if (v == NULL) {
-            if (PyErr_Occurred())
-                goto free;
-            continue;
-        }
-        if (!PyLong_CheckExact(v)) {
+        int is_int = 0;
+        uint64_t u = 0;
+        PyObject *obj;
+        int f = lt_lookup(c->lmap, ks[i], &is_int, &u, &obj);
+        if (f < 0)
+            goto out;
+        known[i] = (int8_t)f;
+        if (f == 1 && !is_int) {
             rc = SLOW;
-            goto free;
+            goto out;
         }
-        keys[i] = AS_U64(v);
-        if (keys[i] == (uint64_t)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            rc = SLOW;
-            goto free;
-        }
+        ks[i] = u;
     }
-    int64_t gone = 0;
+    uint32_t bit = bit_of(c, tier);
+    int gone = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!known[i]) {
             c->remove_unknown++;
             continue;
         }
         c->blocks_removed++;
-        gone += mt_clear_bit(c->table, keys[i], bit);
+        gone += mt_clear_bit(c->table, ks[i], bit);
     }
     if (gone)
         c->table->version++;
     rc = 0;
-free:
-    if (keys != NULL && keys != stack_keys)
-        PyMem_Free(keys);
-    if (known != NULL && known != stack_known)
+out:
+    if (ks != NULL && ks != stack)
+        PyMem_Free(ks);
+    if (known != NULL && known != known_stack)
         PyMem_Free(known);
     return rc;
 }
@@ -993,7 +941,7 @@ ctx_from(PyObject *t, Ctx *c)
     }
     memset(c, 0, sizeof(*c));
     c->ep = PyTuple_GET_ITEM(t, 1);
-    c->lmap = PyTuple_GET_ITEM(t, 2);
+    PyObject *lmap = PyTuple_GET_ITEM(t, 2);
     PyObject *table = PyTuple_GET_ITEM(t, 3);
     c->seed = PyTuple_GET_ITEM(t, 4);
     c->C = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 5));
@@ -1013,7 +961,7 @@ ctx_from(PyObject *t, Ctx *c)
         PyErr_SetString(PyExc_TypeError, "fastpath context: counters not bound (bind_counters) or of another type");
         return -1;
     }
-    if (!PyDict_CheckExact(c->lmap) || !PyObject_TypeCheck(table, &MaskTableType) ||
+    if (!PyObject_TypeCheck(lmap, &LearnedTableType) || !PyObject_TypeCheck(table, &MaskTableType) ||
         !PyLong_CheckExact(c->seed) || !PyList_Check(c->odd) ||
         PyList_GET_SIZE(c->odd) < 1 || !PyTuple_Check(c->tier_names) || !PyTuple_Check(c->bits) ||
         !PyTuple_Check(c->store_chunk) || !PyTuple_Check(c->remove_one) || c->C <= 0) {
@@ -1021,6 +969,10 @@ ctx_from(PyObject *t, Ctx *c)
         return -1;
     }
     c->table = (MaskTable *)table;
+    c->lmap = (LearnedTable *)lmap;
+    c->seed_u = AS_U64(c->seed);
+    if (c->seed_u == (uint64_t)-1 && PyErr_Occurred())
+        return -1;
     c->n_tiers = PyTuple_GET_SIZE(c->tier_names);
     if (PyTuple_GET_SIZE(c->bits) != c->n_tiers || PyTuple_GET_SIZE(c->store_chunk) != c->n_tiers ||
         PyTuple_GET_SIZE(c->remove_one) != c->n_tiers || c->n_tiers > 63) {
@@ -1145,7 +1097,7 @@ py_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Ctx c;
     if (ctx_from(t, &c) < 0)
         goto done;
-    Py_ssize_t learned0 = PyDict_GET_SIZE(c.lmap);
+    Py_ssize_t learned0 = lt_len(c.lmap);
     int status = 0;
     int64_t i = start < 0 ? 0 : start;
     for (; i < nev; i++) {
@@ -1182,7 +1134,7 @@ py_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
     }
-    result = finish(status, i, &c, PyDict_GET_SIZE(c.lmap) - learned0, start <= 0);
+    result = finish(status, i, &c, lt_len(c.lmap) - learned0, start <= 0);
     goto done;
 
 to_python:
@@ -1218,9 +1170,19 @@ PyInit__fastpath(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    if (PyType_Ready(&LearnedTableType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&MaskTableType);
     if (PyModule_AddObject(m, "MaskTable", (PyObject *)&MaskTableType) < 0) {
         Py_DECREF(&MaskTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&LearnedTableType);
+    if (PyModule_AddObject(m, "LearnedTable", (PyObject *)&LearnedTableType) < 0) {
+        Py_DECREF(&LearnedTableType);
         Py_DECREF(m);
         return NULL;
     }

@@ -391,11 +391,14 @@ def make_index(max_entries: int, *, max_tiers: int, fast: object) -> BlockIndex:
 
 
 class LearnedMap:
-    """Engine block hash -> router key, one dict per model, bounded (oldest learned go first)."""
+    """Engine block hash -> router key, one map per model, bounded (oldest learned go first).
 
-    __slots__ = ("maps", "odd", "size", "max_size", "evicted")
+    A map is a dict, or where the C extension is built a ``LearnedTable`` (the same mapping
+    with the int keys and values stored inline: fewer cache misses per lookup)."""
 
-    def __init__(self, max_size: int) -> None:
+    __slots__ = ("maps", "odd", "size", "max_size", "evicted", "table")
+
+    def __init__(self, max_size: int, *, table: type | None = None) -> None:
         self.maps: dict[str, dict[object, object]] = {}
         #: per model, ``[True]`` once its map holds a non-int value (lets the common path skip
         #: type checks); shared by reference with the model's endpoints
@@ -403,11 +406,12 @@ class LearnedMap:
         self.size = 0
         self.max_size = max_size
         self.evicted = 0
+        self.table = table
 
     def for_model(self, model: str) -> dict[object, object]:
         m = self.maps.get(model)
         if m is None:
-            m = self.maps[model] = {}
+            m = self.maps[model] = {} if self.table is None else self.table()
             self.odd[model] = [False]
         return m
 
@@ -421,7 +425,16 @@ class LearnedMap:
         while self.size > low:
             biggest = max(self.maps.values(), key=len)
             n = min(len(biggest), self.size - low)
-            for h in list(islice(biggest, n)):
+            oldest = biggest.oldest(n) if hasattr(biggest, "oldest") else list(islice(biggest, n))
+            for h in oldest:
                 del biggest[h]
             self.size -= n
             self.evicted += n
+
+    def nbytes(self) -> int:
+        """Bytes of every map (dicts: the dict and 28 bytes per key int)."""
+        total = 0
+        for m in list(self.maps.values()):
+            nb = getattr(m, "nbytes", None)
+            total += nb() if nb is not None else sys.getsizeof(m) + sum(map(sys.getsizeof, m))
+        return total

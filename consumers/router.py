@@ -7,13 +7,14 @@ Its core needs no sockets: ``apply(pod, batch)`` feeds it one decoded batch,
 
 Known limitations (measured in ``benchmarks/router.py``):
 
-* Ingest of GPU events cannot reach 80% of the decode-only rate in CPython: hashing an
-  event's 4 x 16 token ids into chained keys alone costs about as much as decoding it
-  (~1.8 us vs ~1.9 us per event), and handing the tokens to numpy costs as much again.
+* Where the C extension is not built, ingest of decoded batches stays far below the
+  decode-only rate (hashing an event's 4 x 16 token ids alone costs about what decoding it
+  does). With it, ``apply_payload`` reaches ~90% for GPU events but about half for offload
+  events, whose engine-hash lookups (a Python dict) are memory-bound.
 * With engine blocks larger than the canonical block, removing a block also clears the
   first key it shares with a sibling still held (the score under-reports, never over-reports).
-* ``reset_pod``/``AllBlocksCleared``/``remove_pod`` scan every key (one C-level pass, then
-  a Python loop over the keys the endpoint held).
+* ``reset_pod``/``AllBlocksCleared``/``remove_pod`` scan every key (one C-level pass; in
+  pure Python then a loop over the keys the endpoint held).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class KVRouter(FastIngestMixin, IngestMixin):
         self._cfg = config
         self._bs = config.block_size
         self._index = make_index(config.max_entries, max_tiers=config.max_tiers, fast=_FAST)
-        self._learned = LearnedMap(config.max_learned or config.max_entries)
+        self._learned = LearnedMap(config.max_learned or config.max_entries, table=getattr(_FAST, "LearnedTable", None))
         self.stats = RouterStats()
         self._py_touch = 0  #: bumped whenever the Python ingest path runs (the C fast path's cache key)
         self._tiers: dict[str, int] = {}
@@ -458,9 +459,7 @@ class KVRouter(FastIngestMixin, IngestMixin):
         size = sys.getsizeof
         masks_b = idx.masks_nbytes()
         parents_b = idx.parents_nbytes()
-        learned_b = 0
-        for m in self._learned.maps.values():
-            learned_b += size(m) + sum(map(size, m))
+        learned_b = self._learned.nbytes()
         total = masks_b + parents_b + learned_b
         entries = max(1, idx.entries)
         return {"entries": idx.entries, "keys": len(idx.masks), "learned": self._learned.size,

@@ -19,7 +19,6 @@ Both install instance attributes over the router's own methods; ``close()`` remo
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import Any
@@ -181,10 +180,8 @@ class _IndexScan:
         tiers = list(r._tiers.items())  # name -> lane
         lanes = index.lane_counts(len(tiers))
         counts = {name: lanes[t] for name, t in tiers}
-        size = sys.getsizeof
         total = index.masks_nbytes() + index.parents_nbytes()
-        for lmap in list(r._learned.maps.values()):
-            total += size(lmap) + 28 * len(lmap)
+        total += r._learned.nbytes()
         n = sum(counts.values()) or 1
         self.entries = counts
         self.nbytes = {name: int(total * c / n) for name, c in counts.items()}

@@ -301,3 +301,31 @@ def test_mask_table_errors_are_clear():
     big = fastingest._FAST.MaskTable(bits=300)
     big.set_bit([9], 299)
     assert big[9] == 1 << 299 and big.values() == [1 << 299]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(
+    st.sampled_from(["set", "set", "set", "del", "update", "get"]),
+    st.one_of(st.integers(0, 30), st.integers(2**64 - 3, 2**64 - 1), st.sampled_from([-1, b"k", 2**64])),
+    st.one_of(st.integers(0, 2**64 - 1), st.tuples(st.integers(0, 5), st.just(()), st.integers(0, 3)), st.just(-7)),
+), max_size=60))
+def test_the_learned_table_behaves_as_a_dict(ops):
+    t, d = fastingest._FAST.LearnedTable(), {}
+    for op, k, v in ops:
+        if op == "set":
+            t[k] = v
+            d[k] = v
+        elif op == "del":
+            if k in d:
+                del t[k]
+                del d[k]
+            else:
+                with pytest.raises(KeyError):
+                    del t[k]
+        elif op == "update":
+            t.update([(k, v), (5, 6)])
+            d.update([(k, v), (5, 6)])
+        assert t.get(k, "none") == d.get(k, "none") and (k in t) == (k in d)
+        assert list(t.items()) == list(d.items()) and len(t) == len(d) and list(t) == list(d)
+        assert t.oldest(3) == list(d)[:3]
+    assert t.is_dict() == any(not (type(k) is int and 0 <= k < 2**64) for op, k, _v in ops if op in ("set", "update"))

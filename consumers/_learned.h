@@ -1,0 +1,634 @@
+/* LearnedTable: the router's engine-hash -> router-key map, in C.
+ *
+ * Included by _fastpath.c. A mapping with dict semantics (insertion order; assigning to a
+ * present key keeps its place; iteration oldest first) for what consumers/index.py's
+ * LearnedMap keeps per model: engine block hash -> the router key of that block (an int), or
+ * a tuple for an engine block that does not end on a canonical boundary.
+ *
+ * Keys that are ints in [0, 2**64) — what vLLM sends by default — and int values are stored
+ * inline (24-byte entries in insertion order, an open-addressing index of them), so a lookup
+ * touches two cache lines instead of a dict's entry plus two int objects. A key of any other
+ * kind (bytes hashes, signed ones) turns the table into a plain dict, order kept, for good.
+ * Memory comes from PyMem_Raw* (tracemalloc counts it).
+ */
+
+enum { LT_INT = 0, LT_OBJ = 1, LT_DEAD = 2 };
+
+typedef struct {
+    uint64_t key;
+    uint64_t val; /* the value (LT_INT) or a PyObject * holding one reference (LT_OBJ) */
+    uint32_t tag;
+    uint32_t pad;
+} LEntry;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *dict;     /* non-NULL: dict mode (everything lives there) */
+    LEntry *ent;        /* in insertion order, with dead ones until compaction */
+    uint32_t used;      /* entries used (live + dead) */
+    uint32_t cap;
+    uint32_t live;
+    uint32_t *slot;     /* entry index + 1; 0 = empty */
+    uint32_t slot_mask;
+} LearnedTable;
+
+static PyTypeObject LearnedTableType;
+
+static inline uint32_t
+lt_home(const LearnedTable *m, uint64_t k)
+{
+    return (uint32_t)((k * 0x9E3779B97F4A7C15ULL) >> 32) & m->slot_mask;
+}
+
+/* entry index of k or MT_NONE; *pos: its slot (or where it would go) */
+static inline uint32_t
+lt_find(const LearnedTable *m, uint64_t k, uint32_t *pos)
+{
+    uint32_t i = lt_home(m, k);
+    for (;;) {
+        uint32_t s = m->slot[i];
+        if (s == 0) {
+            if (pos) *pos = i;
+            return MT_NONE;
+        }
+        if (m->ent[s - 1].key == k) {
+            if (pos) *pos = i;
+            return s - 1;
+        }
+        i = (i + 1) & m->slot_mask;
+    }
+}
+
+static int
+lt_reindex(LearnedTable *m, uint32_t size)
+{
+    uint32_t *slot = PyMem_RawCalloc(size, sizeof(uint32_t));
+    if (slot == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyMem_RawFree(m->slot);
+    m->slot = slot;
+    m->slot_mask = size - 1;
+    for (uint32_t e = 0; e < m->used; e++) {
+        if (m->ent[e].tag == LT_DEAD)
+            continue;
+        uint32_t i = lt_home(m, m->ent[e].key);
+        while (m->slot[i])
+            i = (i + 1) & m->slot_mask;
+        m->slot[i] = e + 1;
+    }
+    return 0;
+}
+
+/* drop dead entries (order kept) and rebuild the index */
+static int
+lt_compact(LearnedTable *m)
+{
+    uint32_t j = 0;
+    for (uint32_t e = 0; e < m->used; e++)
+        if (m->ent[e].tag != LT_DEAD)
+            m->ent[j++] = m->ent[e];
+    m->used = j;
+    return lt_reindex(m, m->slot_mask + 1);
+}
+
+/* room for one more entry */
+static int
+lt_reserve(LearnedTable *m)
+{
+    if ((uint64_t)(m->live + 1) * 2 > (uint64_t)m->slot_mask + 1) {
+        if (m->slot_mask >= 0x7FFFFFFFu) {
+            PyErr_SetString(PyExc_MemoryError, "learned table: too many keys");
+            return -1;
+        }
+        if (lt_reindex(m, (m->slot_mask + 1) * 2) < 0)
+            return -1;
+    }
+    if (m->used == m->cap) {
+        if (m->live < m->used / 2)
+            return lt_compact(m);
+        uint64_t ncap = m->cap ? (uint64_t)m->cap * 2 : 64;
+        if (ncap >= MT_NONE) {
+            PyErr_SetString(PyExc_MemoryError, "learned table: too many keys");
+            return -1;
+        }
+        LEntry *ent = PyMem_RawRealloc(m->ent, ncap * sizeof(LEntry));
+        if (ent == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        m->ent = ent;
+        m->cap = (uint32_t)ncap;
+    }
+    return 0;
+}
+
+/* set k -> (tag, val); an LT_OBJ val's reference is taken over. 0 ok, -1 error (val released) */
+static int
+lt_set(LearnedTable *m, uint64_t k, uint32_t tag, uint64_t val)
+{
+    uint32_t pos;
+    uint32_t e = lt_find(m, k, &pos);
+    if (e != MT_NONE) {
+        LEntry *x = &m->ent[e];
+        if (x->tag == LT_OBJ)
+            Py_DECREF((PyObject *)(uintptr_t)x->val);
+        x->tag = tag;
+        x->val = val;
+        return 0;
+    }
+    uint32_t mask = m->slot_mask, used = m->used;
+    if (lt_reserve(m) < 0) {
+        if (tag == LT_OBJ)
+            Py_DECREF((PyObject *)(uintptr_t)val);
+        return -1;
+    }
+    if (m->slot_mask != mask || m->used != used)
+        lt_find(m, k, &pos);
+    e = m->used++;
+    m->ent[e].key = k;
+    m->ent[e].val = val;
+    m->ent[e].tag = tag;
+    m->ent[e].pad = 0;
+    m->slot[pos] = e + 1;
+    m->live++;
+    return 0;
+}
+
+static void
+lt_delete_at(LearnedTable *m, uint32_t pos, uint32_t e)
+{
+    uint32_t i = pos;
+    for (;;) {
+        m->slot[i] = 0;
+        uint32_t j = i;
+        for (;;) {
+            j = (j + 1) & m->slot_mask;
+            uint32_t s = m->slot[j];
+            if (s == 0)
+                goto done;
+            uint32_t home = lt_home(m, m->ent[s - 1].key);
+            if (i <= j ? (home <= i || home > j) : (home <= i && home > j)) {
+                m->slot[i] = s;
+                i = j;
+                break;
+            }
+        }
+    }
+done:
+    if (m->ent[e].tag == LT_OBJ)
+        Py_DECREF((PyObject *)(uintptr_t)m->ent[e].val);
+    m->ent[e].tag = LT_DEAD;
+    m->live--;
+}
+
+/* the table as a dict, for good (a key this table cannot hold inline arrived) */
+static int
+lt_to_dict(LearnedTable *m)
+{
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return -1;
+    for (uint32_t e = 0; e < m->used; e++) {
+        LEntry *x = &m->ent[e];
+        if (x->tag == LT_DEAD)
+            continue;
+        PyObject *k = PyLong_FromUnsignedLongLong(x->key);
+        PyObject *v = x->tag == LT_INT ? PyLong_FromUnsignedLongLong(x->val) : (PyObject *)(uintptr_t)x->val;
+        if (x->tag == LT_OBJ)
+            Py_INCREF(v);
+        int rc = (k == NULL || v == NULL) ? -1 : PyDict_SetItem(d, k, v);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        if (rc < 0) {
+            Py_DECREF(d);
+            return -1;
+        }
+    }
+    for (uint32_t e = 0; e < m->used; e++)
+        if (m->ent[e].tag == LT_OBJ)
+            Py_DECREF((PyObject *)(uintptr_t)m->ent[e].val);
+    PyMem_RawFree(m->ent);
+    PyMem_RawFree(m->slot);
+    m->ent = NULL;
+    m->slot = NULL;
+    m->used = m->cap = m->live = 0;
+    m->slot_mask = 0;
+    m->dict = d;
+    return 0;
+}
+
+/* a Python key as an inline key: 1, or 0 (not an int in [0, 2**64)) */
+static inline int
+lt_key(PyObject *o, uint64_t *k)
+{
+    if (!PyLong_CheckExact(o) || _PyLong_Sign(o) < 0)
+        return 0;
+    *k = AS_U64(o);
+    if (*k == (uint64_t)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+/* value -> (tag, val); takes a new reference for LT_OBJ */
+static inline void
+lt_val(PyObject *v, uint32_t *tag, uint64_t *val)
+{
+    if (PyLong_CheckExact(v) && _PyLong_Sign(v) >= 0) {
+        uint64_t u = AS_U64(v);
+        if (!(u == (uint64_t)-1 && PyErr_Occurred())) {
+            *tag = LT_INT;
+            *val = u;
+            return;
+        }
+        PyErr_Clear();
+    }
+    Py_INCREF(v);
+    *tag = LT_OBJ;
+    *val = (uint64_t)(uintptr_t)v;
+}
+
+static PyObject *
+lt_value_obj(const LEntry *x)
+{
+    if (x->tag == LT_INT)
+        return PyLong_FromUnsignedLongLong(x->val);
+    PyObject *v = (PyObject *)(uintptr_t)x->val;
+    Py_INCREF(v);
+    return v;
+}
+
+/* C-level lookup for the ingest path: 1 found (*is_int, *u or *obj borrowed), 0 absent, -1 error */
+static inline int
+lt_lookup(LearnedTable *m, uint64_t k, int *is_int, uint64_t *u, PyObject **obj)
+{
+    if (m->dict != NULL) {
+        PyObject *ko = PyLong_FromUnsignedLongLong(k);
+        if (ko == NULL)
+            return -1;
+        PyObject *v = PyDict_GetItemWithError(m->dict, ko);
+        Py_DECREF(ko);
+        if (v == NULL)
+            return PyErr_Occurred() ? -1 : 0;
+        *obj = v;
+        *is_int = 0;
+        if (PyLong_CheckExact(v) && _PyLong_Sign(v) >= 0) {
+            *u = AS_U64(v);
+            if (*u == (uint64_t)-1 && PyErr_Occurred())
+                PyErr_Clear();
+            else
+                *is_int = 1;
+        }
+        return 1;
+    }
+    uint32_t e = lt_find(m, k, NULL);
+    if (e == MT_NONE)
+        return 0;
+    const LEntry *x = &m->ent[e];
+    *is_int = x->tag == LT_INT;
+    *u = x->val;
+    *obj = x->tag == LT_OBJ ? (PyObject *)(uintptr_t)x->val : NULL;
+    return 1;
+}
+
+/* C-level set of an int value: 0 ok, -1 error */
+static inline int
+lt_set_int(LearnedTable *m, uint64_t k, uint64_t v)
+{
+    if (m->dict != NULL) {
+        PyObject *ko = PyLong_FromUnsignedLongLong(k), *vo = PyLong_FromUnsignedLongLong(v);
+        int rc = (ko == NULL || vo == NULL) ? -1 : PyDict_SetItem(m->dict, ko, vo);
+        Py_XDECREF(ko);
+        Py_XDECREF(vo);
+        return rc;
+    }
+    return lt_set(m, k, LT_INT, v);
+}
+
+static Py_ssize_t
+lt_len(LearnedTable *m)
+{
+    return m->dict != NULL ? PyDict_GET_SIZE(m->dict) : (Py_ssize_t)m->live;
+}
+
+/* --- Python methods --------------------------------------------------------------------- */
+
+static PyObject *
+lt_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kw != NULL && PyDict_GET_SIZE(kw) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "LearnedTable() takes no arguments");
+        return NULL;
+    }
+    LearnedTable *m = (LearnedTable *)type->tp_alloc(type, 0);
+    if (m == NULL)
+        return NULL;
+    m->slot = PyMem_RawCalloc(16, sizeof(uint32_t));
+    if (m->slot == NULL) {
+        Py_DECREF(m);
+        return PyErr_NoMemory();
+    }
+    m->slot_mask = 15;
+    return (PyObject *)m;
+}
+
+static int
+lt_traverse(LearnedTable *m, visitproc visit, void *arg)
+{
+    Py_VISIT(m->dict);
+    for (uint32_t e = 0; e < m->used; e++)
+        if (m->ent[e].tag == LT_OBJ)
+            Py_VISIT((PyObject *)(uintptr_t)m->ent[e].val);
+    return 0;
+}
+
+static int
+lt_clear(LearnedTable *m)
+{
+    Py_CLEAR(m->dict);
+    for (uint32_t e = 0; e < m->used; e++)
+        if (m->ent[e].tag == LT_OBJ) {
+            m->ent[e].tag = LT_DEAD;
+            Py_DECREF((PyObject *)(uintptr_t)m->ent[e].val);
+        }
+    return 0;
+}
+
+static void
+lt_dealloc(LearnedTable *m)
+{
+    PyObject_GC_UnTrack(m);
+    lt_clear(m);
+    PyMem_RawFree(m->ent);
+    PyMem_RawFree(m->slot);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static Py_ssize_t
+lt_py_len(LearnedTable *m)
+{
+    return lt_len(m);
+}
+
+static int
+lt_contains(LearnedTable *m, PyObject *o)
+{
+    if (m->dict != NULL)
+        return PyDict_Contains(m->dict, o);
+    uint64_t k;
+    if (!lt_key(o, &k)) {
+        /* never stored inline; but an equal key of another type? only ints equal ints */
+        if (PyErr_Occurred())
+            return -1;
+        return 0;
+    }
+    return lt_find(m, k, NULL) != MT_NONE;
+}
+
+static PyObject *
+lt_lookup_obj(LearnedTable *m, PyObject *o)
+{
+    /* borrowed-or-new semantics hidden: returns a new reference or NULL (absent, no error) */
+    if (m->dict != NULL) {
+        PyObject *v = PyDict_GetItemWithError(m->dict, o);
+        Py_XINCREF(v);
+        return v;
+    }
+    uint64_t k;
+    if (!lt_key(o, &k))
+        return NULL;
+    uint32_t e = lt_find(m, k, NULL);
+    return e == MT_NONE ? NULL : lt_value_obj(&m->ent[e]);
+}
+
+static PyObject *
+lt_subscript(LearnedTable *m, PyObject *o)
+{
+    PyObject *v = lt_lookup_obj(m, o);
+    if (v == NULL && !PyErr_Occurred())
+        PyErr_SetObject(PyExc_KeyError, o);
+    return v;
+}
+
+static PyObject *
+lt_get(LearnedTable *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    PyObject *v = lt_lookup_obj(m, args[0]);
+    if (v != NULL || PyErr_Occurred())
+        return v;
+    v = nargs == 2 ? args[1] : Py_None;
+    Py_INCREF(v);
+    return v;
+}
+
+static int
+lt_setitem(LearnedTable *m, PyObject *key, PyObject *value)
+{
+    uint64_t k;
+    if (m->dict == NULL && !lt_key(key, &k)) {
+        if (PyErr_Occurred())
+            return -1;
+        if (PyObject_Hash(key) == -1)
+            return -1; /* unhashable: the dict's error, before converting */
+        if (value == NULL) { /* deleting a key that cannot be here */
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        if (lt_to_dict(m) < 0)
+            return -1;
+    }
+    if (m->dict != NULL)
+        return value == NULL ? PyDict_DelItem(m->dict, key) : PyDict_SetItem(m->dict, key, value);
+    if (value == NULL) {
+        uint32_t pos;
+        uint32_t e = lt_find(m, k, &pos);
+        if (e == MT_NONE) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        lt_delete_at(m, pos, e);
+        return 0;
+    }
+    uint32_t tag;
+    uint64_t val;
+    lt_val(value, &tag, &val);
+    return lt_set(m, k, tag, val);
+}
+
+static PyObject *
+lt_update(LearnedTable *m, PyObject *pairs)
+{
+    PyObject *it;
+    if (PyDict_Check(pairs)) {
+        PyObject *items = PyDict_Items(pairs);
+        if (items == NULL)
+            return NULL;
+        it = PyObject_GetIter(items);
+        Py_DECREF(items);
+    } else {
+        it = PyObject_GetIter(pairs);
+    }
+    if (it == NULL)
+        return NULL;
+    PyObject *item;
+    while ((item = PyIter_Next(it)) != NULL) {
+        PyObject *kv = PySequence_Fast(item, "update: expected (key, value) pairs");
+        Py_DECREF(item);
+        if (kv == NULL) {
+            Py_DECREF(it);
+            return NULL;
+        }
+        if (PySequence_Fast_GET_SIZE(kv) != 2) {
+            Py_DECREF(kv);
+            Py_DECREF(it);
+            PyErr_SetString(PyExc_ValueError, "update: expected (key, value) pairs");
+            return NULL;
+        }
+        int rc = lt_setitem(m, PySequence_Fast_GET_ITEM(kv, 0), PySequence_Fast_GET_ITEM(kv, 1));
+        Py_DECREF(kv);
+        if (rc < 0) {
+            Py_DECREF(it);
+            return NULL;
+        }
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* keys (0), values (1), items (2), oldest first; at most `limit` (-1: all) */
+static PyObject *
+lt_list(LearnedTable *m, int what, Py_ssize_t limit)
+{
+    if (m->dict != NULL) {
+        PyObject *all = what == 0 ? PyDict_Keys(m->dict) : what == 1 ? PyDict_Values(m->dict) : PyDict_Items(m->dict);
+        if (all == NULL || limit < 0 || PyList_GET_SIZE(all) <= limit)
+            return all;
+        PyObject *cut = PyList_GetSlice(all, 0, limit);
+        Py_DECREF(all);
+        return cut;
+    }
+    Py_ssize_t n = limit < 0 || limit > (Py_ssize_t)m->live ? (Py_ssize_t)m->live : limit;
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t i = 0;
+    for (uint32_t e = 0; e < m->used && i < n; e++) {
+        const LEntry *x = &m->ent[e];
+        if (x->tag == LT_DEAD)
+            continue;
+        PyObject *k = NULL, *v = NULL, *item;
+        if (what != 1 && (k = PyLong_FromUnsignedLongLong(x->key)) == NULL)
+            goto fail;
+        if (what != 0 && (v = lt_value_obj(x)) == NULL) {
+            Py_XDECREF(k);
+            goto fail;
+        }
+        if (what == 2) {
+            item = PyTuple_Pack(2, k, v);
+            Py_DECREF(k);
+            Py_DECREF(v);
+            if (item == NULL)
+                goto fail;
+        } else {
+            item = what == 0 ? k : v;
+        }
+        PyList_SET_ITEM(out, i++, item);
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *lt_keys(LearnedTable *m, PyObject *u) { return lt_list(m, 0, -1); }
+static PyObject *lt_values(LearnedTable *m, PyObject *u) { return lt_list(m, 1, -1); }
+static PyObject *lt_items(LearnedTable *m, PyObject *u) { return lt_list(m, 2, -1); }
+
+static PyObject *
+lt_oldest(LearnedTable *m, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    return lt_list(m, 0, n < 0 ? 0 : n);
+}
+
+static PyObject *
+lt_iter(LearnedTable *m)
+{
+    PyObject *keys = lt_list(m, 0, -1);
+    if (keys == NULL)
+        return NULL;
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static PyObject *
+lt_nbytes(LearnedTable *m, PyObject *u)
+{
+    if (m->dict != NULL) {
+        /* the dict, its key ints and its values as the Python side counts them */
+        PyObject *sz = PyObject_CallMethod(m->dict, "__sizeof__", NULL);
+        if (sz == NULL)
+            return NULL;
+        size_t b = sizeof(LearnedTable) + PyLong_AsSize_t(sz) + (size_t)PyDict_GET_SIZE(m->dict) * 64;
+        Py_DECREF(sz);
+        return PyLong_FromSize_t(b);
+    }
+    size_t b = sizeof(LearnedTable) + (size_t)m->cap * sizeof(LEntry) + ((size_t)m->slot_mask + 1) * sizeof(uint32_t);
+    return PyLong_FromSize_t(b);
+}
+
+static PyObject *
+lt_is_dict(LearnedTable *m, PyObject *u)
+{
+    return PyBool_FromLong(m->dict != NULL);
+}
+
+static PyMethodDef lt_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))lt_get, METH_FASTCALL, "get(key, default=None)"},
+    {"update", (PyCFunction)lt_update, METH_O, "update(pairs): (key, value) pairs or a dict"},
+    {"keys", (PyCFunction)lt_keys, METH_NOARGS, "keys, oldest first"},
+    {"values", (PyCFunction)lt_values, METH_NOARGS, "values, oldest key first"},
+    {"items", (PyCFunction)lt_items, METH_NOARGS, "(key, value), oldest first"},
+    {"oldest", (PyCFunction)lt_oldest, METH_O, "oldest(n) -> the n oldest keys"},
+    {"nbytes", (PyCFunction)lt_nbytes, METH_NOARGS, "bytes held"},
+    {"is_dict", (PyCFunction)lt_is_dict, METH_NOARGS, "True once a key that cannot be inline turned it into a dict"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods lt_as_sequence = {
+    .sq_contains = (objobjproc)lt_contains,
+};
+
+static PyMappingMethods lt_as_mapping = {
+    .mp_length = (lenfunc)lt_py_len,
+    .mp_subscript = (binaryfunc)lt_subscript,
+    .mp_ass_subscript = (objobjargproc)lt_setitem,
+};
+
+static PyTypeObject LearnedTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "consumers._fastpath.LearnedTable",
+    .tp_basicsize = sizeof(LearnedTable),
+    .tp_dealloc = (destructor)lt_dealloc,
+    .tp_as_sequence = &lt_as_sequence,
+    .tp_as_mapping = &lt_as_mapping,
+    .tp_iter = (getiterfunc)lt_iter,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "engine block hash -> router key, dict semantics, ints stored inline",
+    .tp_traverse = (traverseproc)lt_traverse,
+    .tp_clear = (inquiry)lt_clear,
+    .tp_methods = lt_methods,
+    .tp_new = lt_new,
+};
