@@ -729,6 +729,25 @@ hashes_u64(const Ev *ev, uint64_t *out)
 
 #define U64_STACK 64
 
+/* overlap the cache misses of n lookups: every slot line first, then every entry line */
+static void
+prefetch_learned(const LearnedTable *m, const uint64_t *k, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        lt_prefetch_slot(m, k[i]);
+    for (Py_ssize_t i = 0; i < n; i++)
+        lt_prefetch_entry(m, k[i]);
+}
+
+static void
+prefetch_masks(const MaskTable *t, const uint64_t *k, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        mt_prefetch_slot(t, k[i]);
+    for (Py_ssize_t i = 0; i < n; i++)
+        mt_prefetch_entry(t, k[i]);
+}
+
 static int
 apply_stored_gpu(Ctx *c, Ev *ev, int tier)
 {
@@ -763,6 +782,7 @@ apply_stored_gpu(Ctx *c, Ev *ev, int tier)
         rc = SLOW;
         goto out;
     }
+    prefetch_learned(c->lmap, hs, n);
     /* already learned (e.g. from another pod): take the keys, no hashing */
     int learned = 0;
     int f = lt_lookup(c->lmap, hs[0], &is_int, &u, &obj);
@@ -807,6 +827,7 @@ apply_stored_gpu(Ctx *c, Ev *ev, int tier)
     c->blocks_stored += n;
     /* index.add_chain(keys, bit, None if no parent else pv) */
     uint32_t bit = bit_of(c, tier);
+    prefetch_masks(c->table, ks, n);
     uint64_t prev = ev->parent_kind != 0 ? pv : MT_NOPAR;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (mt_set_bit_parent(c->table, ks[i], bit, prev) < 0)
@@ -842,6 +863,7 @@ apply_stored_offload(Ctx *c, Ev *ev, int tier)
         rc = SLOW;
         goto out;
     }
+    prefetch_learned(c->lmap, ks, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         int is_int;
         uint64_t u;
@@ -857,6 +879,7 @@ apply_stored_offload(Ctx *c, Ev *ev, int tier)
     }
     c->offload_blocks += n;
     uint32_t bit = bit_of(c, tier);
+    prefetch_masks(c->table, ks, n);
     for (Py_ssize_t i = 0; i < n; i++)
         if (mt_set_bit(c->table, ks[i], bit) < 0)
             goto out;
@@ -891,6 +914,7 @@ apply_removed(Ctx *c, Ev *ev, int tier)
         rc = SLOW;
         goto out;
     }
+    prefetch_learned(c->lmap, ks, n);
     /* check first: every learned value must be a plain key */
     for (Py_ssize_t i = 0; i < n; i++) {
         int is_int = 0;
@@ -1016,20 +1040,56 @@ finish(int status, int64_t next, Ctx *c, Py_ssize_t learned, int first_call)
 }
 
 #define MAX_EVENTS_ON_STACK 64
+#define PREFETCH_MAX 1024
 
-/* apply(payload, start, contexts, stamp, ctx_fn, pod, model) */
-static PyObject *
-py_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* The index is memory-bound: each engine hash costs a few cache misses (learned-table slot and
+ * entry, mask-table slot and entry), and done one after the other they add up. Before applying
+ * a batch, walk its hashes in passes that only read and prefetch — learned slots, learned
+ * entries, then (looking the keys up) mask slots, then mask entries — so each kind of miss is in
+ * flight for every hash of the batch at once. Read-only: the apply loop after it decides. */
+static void
+prefetch_batch(Ctx *c, const Ev *evs, int64_t from, int64_t nev)
 {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "apply(payload, start, contexts, stamp, ctx_fn, pod, model)");
-        return NULL;
+    uint64_t hs[PREFETCH_MAX];
+    int n = 0;
+    for (int64_t j = from; j < nev && n < PREFETCH_MAX; j++) {
+        const uint8_t *hp = evs[j].hashes;
+        for (uint32_t h = 0; h < evs[j].n_hashes && n < PREFETCH_MAX; h++) {
+            Rd r = {hp, hp + 9};
+            uint64_t u = 0;
+            int64_t sv = 0;
+            if (rd_int(&r, &u, &sv) != 1)
+                break;
+            hp = r.p;
+            hs[n++] = u;
+        }
     }
+    for (int k = 0; k < n; k++)
+        lt_prefetch_slot(c->lmap, hs[k]);
+    for (int k = 0; k < n; k++)
+        lt_prefetch_entry(c->lmap, hs[k]);
+    for (int k = 0; k < n; k++) {
+        uint32_t e = lt_find(c->lmap, hs[k], NULL);
+        hs[k] = e != MT_NONE && c->lmap->ent[e].tag == LT_INT ? c->lmap->ent[e].val : MT_NOPAR;
+        if (hs[k] != MT_NOPAR)
+            mt_prefetch_slot(c->table, hs[k]);
+    }
+    for (int k = 0; k < n; k++)
+        if (hs[k] != MT_NOPAR)
+            mt_prefetch_entry(c->table, hs[k]);
+}
+
+static PyObject *str_fast_ctx, *str_py_touch, *str_fast_rest, *str_expire_pending, *str_apply_payload_py;
+
+/* The work of apply(): ctx_fn is called on a context-cache miss (or, when NULL, the method
+ * _fast_ctx of `owner`). */
+static PyObject *
+apply_impl(PyObject *payload, Py_ssize_t start, PyObject *contexts, PyObject *stamp, PyObject *ctx_fn,
+           PyObject *owner, PyObject *pod, PyObject *model)
+{
     Py_buffer buf;
-    if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0)
+    if (PyObject_GetBuffer(payload, &buf, PyBUF_SIMPLE) < 0)
         return NULL;
-    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
-    PyObject *contexts = args[2], *stamp = args[3], *ctx_fn = args[4], *pod = args[5], *model = args[6];
     PyObject *result = NULL;
     PyObject *rank = NULL, *t = NULL;
     Ev stack_evs[MAX_EVENTS_ON_STACK];
@@ -1090,7 +1150,8 @@ py_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     } else {
         if (PyErr_Occurred())
             goto done;
-        t = PyObject_CallFunctionObjArgs(ctx_fn, pod, model, rank, NULL);
+        t = ctx_fn != NULL ? PyObject_CallFunctionObjArgs(ctx_fn, pod, model, rank, NULL)
+                           : PyObject_CallMethodObjArgs(owner, str_fast_ctx, pod, model, rank, NULL);
         if (t == NULL)
             goto done;
     }
@@ -1100,6 +1161,8 @@ py_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t learned0 = lt_len(c.lmap);
     int status = 0;
     int64_t i = start < 0 ? 0 : start;
+    if (c.lmap->dict == NULL)
+        prefetch_batch(&c, evs, i, nev);
     for (; i < nev; i++) {
         Ev *ev = &evs[i];
         int rc = 0;
@@ -1149,7 +1212,98 @@ done:
     return result;
 }
 
+/* apply(payload, start, contexts, stamp, ctx_fn, pod, model) */
+static PyObject *
+py_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "apply(payload, start, contexts, stamp, ctx_fn, pod, model)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    return apply_impl(args[0], start, args[2], args[3], args[4], NULL, args[5], args[6]);
+}
+
+/* apply_payload(router, contexts_by_pod, pending_by_hash, pending, pod, payload, *, model=None,
+ * strict=False): KVRouter.apply_payload in C (bound per router with functools.partial), so a
+ * batch that applies entirely in C costs no Python frame at all. */
+static PyObject *
+py_apply_payload(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *model = Py_None, *strict = Py_False;
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (nargs < 6 || nargs > 8) {
+        PyErr_SetString(PyExc_TypeError, "apply_payload(pod, payload, *, model=None, strict=False)");
+        return NULL;
+    }
+    if (nargs > 6)
+        model = args[6];
+    if (nargs > 7)
+        strict = args[7];
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(name, "model") == 0)
+            model = args[nargs + i];
+        else if (PyUnicode_CompareWithASCIIString(name, "strict") == 0)
+            strict = args[nargs + i];
+        else {
+            PyErr_Format(PyExc_TypeError, "apply_payload() got an unexpected keyword argument '%U'", name);
+            return NULL;
+        }
+    }
+    PyObject *router = args[0], *by_pod = args[1], *pending_by_hash = args[2], *pending = args[3];
+    PyObject *pod = args[4], *payload = args[5];
+    if (!PyDict_Check(by_pod)) {
+        PyErr_SetString(PyExc_TypeError, "apply_payload: contexts must be a dict");
+        return NULL;
+    }
+    int held = PyObject_IsTrue(pending_by_hash);
+    if (held < 0)
+        return NULL;
+    if (held) /* offloads waiting for their GPU events: the Python path resolves them */
+        return PyObject_CallMethodObjArgs(router, str_apply_payload_py, pod, payload, model, strict, NULL);
+    PyObject *contexts = PyDict_GetItemWithError(by_pod, pod);
+    if (contexts == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        contexts = PyDict_New();
+        if (contexts == NULL || PyDict_SetItem(by_pod, pod, contexts) < 0) {
+            Py_XDECREF(contexts);
+            return NULL;
+        }
+        Py_DECREF(contexts); /* by_pod holds it */
+    }
+    PyObject *stamp = PyObject_GetAttr(router, str_py_touch);
+    if (stamp == NULL)
+        return NULL;
+    PyObject *out = apply_impl(payload, 0, contexts, stamp, NULL, router, pod, model);
+    Py_DECREF(stamp);
+    if (out == NULL)
+        return NULL;
+    if (out != Py_None) {
+        PyObject *r = PyObject_CallMethodObjArgs(router, str_fast_rest, pod, payload, model, strict, contexts, out,
+                                                 NULL);
+        Py_DECREF(out);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+    } else {
+        Py_DECREF(out);
+    }
+    int waiting = PyObject_IsTrue(pending);
+    if (waiting < 0)
+        return NULL;
+    if (waiting)
+        return PyObject_CallMethodObjArgs(router, str_expire_pending, NULL);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"apply_payload", (PyCFunction)(void (*)(void))py_apply_payload, METH_FASTCALL | METH_KEYWORDS,
+     "KVRouter.apply_payload in C: bind with functools.partial(apply_payload, router, contexts, "
+     "pending_by_hash, pending)."},
     {"bind_counters", py_bind_counters, METH_VARARGS,
      "bind_counters(RouterStats, LearnedMap): where apply() finds the counters it updates."},
     {"chain_keys", py_chain_keys, METH_VARARGS, "Chained router keys of every full block (see consumers.keys)."},
@@ -1166,6 +1320,12 @@ PyMODINIT_FUNC
 PyInit__fastpath(void)
 {
     if (PyType_Ready(&MaskTableType) < 0)
+        return NULL;
+    if ((str_fast_ctx = PyUnicode_InternFromString("_fast_ctx")) == NULL ||
+        (str_py_touch = PyUnicode_InternFromString("_py_touch")) == NULL ||
+        (str_fast_rest = PyUnicode_InternFromString("_fast_rest")) == NULL ||
+        (str_expire_pending = PyUnicode_InternFromString("_expire_pending")) == NULL ||
+        (str_apply_payload_py = PyUnicode_InternFromString("_apply_payload_py")) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -261,6 +261,25 @@ lt_value_obj(const LEntry *x)
     return v;
 }
 
+/* Prefetches for the ingest path, which looks up a few keys at a time: issuing every key's
+ * memory loads before using any of them overlaps their cache misses. */
+static inline void
+lt_prefetch_slot(const LearnedTable *m, uint64_t k)
+{
+    if (m->dict == NULL)
+        __builtin_prefetch(&m->slot[lt_home(m, k)]);
+}
+
+static inline void
+lt_prefetch_entry(const LearnedTable *m, uint64_t k)
+{
+    if (m->dict == NULL) {
+        uint32_t s = m->slot[lt_home(m, k)];
+        if (s)
+            __builtin_prefetch(&m->ent[s - 1]);
+    }
+}
+
 /* C-level lookup for the ingest path: 1 found (*is_int, *u or *obj borrowed), 0 absent, -1 error */
 static inline int
 lt_lookup(LearnedTable *m, uint64_t k, int *is_int, uint64_t *u, PyObject **obj)

@@ -27,18 +27,48 @@ typedef struct {
     uint32_t free_head; /* recycled entries, chained through nxt */
     uint32_t head;      /* oldest */
     uint32_t tail;      /* newest */
-    uint64_t *key;
-    uint64_t *par;      /* the key's parent key (what index.parents holds), or MT_NOPAR */
-    uint64_t *bits;     /* cap * W */
-    uint32_t *prv;
-    uint32_t *nxt;
+    void *raw;          /* the entries' allocation; `base` is it aligned to 64 bytes */
+    char *base;         /* cap entries of `stride` bytes (MEnt), one cache line for 4 mask words */
+    size_t stride;
     uint32_t *slot;     /* entry + 1; 0 = empty */
     uint32_t slot_mask; /* table size - 1 (a power of two) */
     uint64_t version;   /* bumped by every change */
     long long entries;  /* set bits over every key: the index's (key, endpoint, tier) entries */
 } MaskTable;
 
+/* One key's entry: everything a lookup, an LRU move and a bit update touch, together. */
+typedef struct {
+    uint64_t key;
+    uint64_t par;       /* the key's parent key (what index.parents holds), or MT_NOPAR */
+    uint32_t prv;       /* LRU links */
+    uint32_t nxt;
+    uint64_t bits[];    /* W words */
+} MEnt;
+
+#define ENT(t, e) ((MEnt *)((t)->base + (size_t)(e) * (t)->stride))
+
 static PyTypeObject MaskTableType;
+
+static inline size_t
+mt_stride(uint32_t W)
+{
+    size_t s = sizeof(MEnt) + (size_t)W * sizeof(uint64_t);
+    return (s + 7) & ~(size_t)7;
+}
+
+/* a zeroed block of n entries of `stride` bytes, aligned to 64: (raw, base) or -1 */
+static int
+mt_alloc_entries(size_t n, size_t stride, void **raw, char **base)
+{
+    void *r = PyMem_RawCalloc(1, n * stride + 64);
+    if (r == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *raw = r;
+    *base = (char *)(((uintptr_t)r + 63) & ~(uintptr_t)63);
+    return 0;
+}
 
 static inline uint32_t
 mt_home(const MaskTable *t, uint64_t k)
@@ -57,7 +87,7 @@ mt_find(const MaskTable *t, uint64_t k, uint32_t *pos)
             if (pos) *pos = i;
             return MT_NONE;
         }
-        if (t->key[s - 1] == k) {
+        if (ENT(t, s - 1)->key == k) {
             if (pos) *pos = i;
             return s - 1;
         }
@@ -76,8 +106,8 @@ mt_rehash(MaskTable *t, uint32_t size)
     PyMem_RawFree(t->slot);
     t->slot = slot;
     t->slot_mask = size - 1;
-    for (uint32_t e = t->head; e != MT_NONE; e = t->nxt[e]) {
-        uint32_t i = mt_home(t, t->key[e]);
+    for (uint32_t e = t->head; e != MT_NONE; e = ENT(t, e)->nxt) {
+        uint32_t i = mt_home(t, ENT(t, e)->key);
         while (t->slot[i])
             i = (i + 1) & t->slot_mask;
         t->slot[i] = e + 1;
@@ -102,43 +132,34 @@ mt_reserve(MaskTable *t)
             PyErr_SetString(PyExc_MemoryError, "router index: too many keys");
             return -1;
         }
-        uint64_t *key = PyMem_RawRealloc(t->key, ncap * sizeof(uint64_t));
-        if (key == NULL) goto nomem;
-        t->key = key;
-        uint64_t *par = PyMem_RawRealloc(t->par, ncap * sizeof(uint64_t));
-        if (par == NULL) goto nomem;
-        t->par = par;
-        uint64_t *bits = PyMem_RawRealloc(t->bits, ncap * t->W * sizeof(uint64_t));
-        if (bits == NULL) goto nomem;
-        t->bits = bits;
-        uint32_t *prv = PyMem_RawRealloc(t->prv, ncap * sizeof(uint32_t));
-        if (prv == NULL) goto nomem;
-        t->prv = prv;
-        uint32_t *nxt = PyMem_RawRealloc(t->nxt, ncap * sizeof(uint32_t));
-        if (nxt == NULL) goto nomem;
-        t->nxt = nxt;
+        void *raw;
+        char *base;
+        if (mt_alloc_entries(ncap, t->stride, &raw, &base) < 0)
+            return -1;
+        if (t->used)
+            memcpy(base, t->base, (size_t)t->used * t->stride);
+        PyMem_RawFree(t->raw);
+        t->raw = raw;
+        t->base = base;
         t->cap = (uint32_t)ncap;
     }
     return 0;
-nomem:
-    PyErr_NoMemory();
-    return -1;
 }
 
 static inline void
 mt_unlink(MaskTable *t, uint32_t e)
 {
-    uint32_t p = t->prv[e], q = t->nxt[e];
-    if (p == MT_NONE) t->head = q; else t->nxt[p] = q;
-    if (q == MT_NONE) t->tail = p; else t->prv[q] = p;
+    uint32_t p = ENT(t, e)->prv, q = ENT(t, e)->nxt;
+    if (p == MT_NONE) t->head = q; else ENT(t, p)->nxt = q;
+    if (q == MT_NONE) t->tail = p; else ENT(t, q)->prv = p;
 }
 
 static inline void
 mt_link_tail(MaskTable *t, uint32_t e)
 {
-    t->prv[e] = t->tail;
-    t->nxt[e] = MT_NONE;
-    if (t->tail == MT_NONE) t->head = e; else t->nxt[t->tail] = e;
+    ENT(t, e)->prv = t->tail;
+    ENT(t, e)->nxt = MT_NONE;
+    if (t->tail == MT_NONE) t->head = e; else ENT(t, t->tail)->nxt = e;
     t->tail = e;
 }
 
@@ -159,13 +180,13 @@ mt_get_or_add(MaskTable *t, uint64_t k, int *created)
         mt_find(t, k, &pos);
     if (t->free_head != MT_NONE) {
         e = t->free_head;
-        t->free_head = t->nxt[e];
+        t->free_head = ENT(t, e)->nxt;
     } else {
         e = t->used++;
     }
-    t->key[e] = k;
-    t->par[e] = MT_NOPAR;
-    memset(t->bits + (size_t)e * t->W, 0, t->W * sizeof(uint64_t));
+    ENT(t, e)->key = k;
+    ENT(t, e)->par = MT_NOPAR;
+    memset(ENT(t, e)->bits, 0, t->W * sizeof(uint64_t));
     t->slot[pos] = e + 1;
     mt_link_tail(t, e);
     t->n++;
@@ -187,7 +208,7 @@ mt_delete(MaskTable *t, uint32_t pos, uint32_t e)
             uint32_t s = t->slot[j];
             if (s == 0)
                 goto done;
-            uint32_t home = mt_home(t, t->key[s - 1]);
+            uint32_t home = mt_home(t, ENT(t, s - 1)->key);
             /* can the entry at j move to i? only if i lies cyclically in [home, j) */
             if (i <= j ? (home <= i || home > j) : (home <= i && home > j)) {
                 t->slot[i] = s;
@@ -198,7 +219,7 @@ mt_delete(MaskTable *t, uint32_t pos, uint32_t e)
     }
 done:
     mt_unlink(t, e);
-    t->nxt[e] = t->free_head;
+    ENT(t, e)->nxt = t->free_head;
     t->free_head = e;
     t->n--;
     t->version++;
@@ -223,19 +244,33 @@ mt_set_bit_parent(MaskTable *t, uint64_t k, uint32_t b, uint64_t parent)
     if (e == MT_NONE)
         return -1;
     if (parent != MT_NOPAR)
-        t->par[e] = parent;
+        ENT(t, e)->par = parent;
     if (!created && e != t->tail) {
         mt_unlink(t, e);
         mt_link_tail(t, e);
         t->version++;
     }
-    uint64_t *w = t->bits + (size_t)e * t->W + (b >> 6);
+    uint64_t *w = ENT(t, e)->bits + (b >> 6);
     uint64_t m = (uint64_t)1 << (b & 63);
     if (*w & m)
         return 0;
     *w |= m;
     t->entries++;
     return 1;
+}
+
+static inline void
+mt_prefetch_slot(const MaskTable *t, uint64_t k)
+{
+    __builtin_prefetch(&t->slot[mt_home(t, k)]);
+}
+
+static inline void
+mt_prefetch_entry(const MaskTable *t, uint64_t k)
+{
+    uint32_t s = t->slot[mt_home(t, k)];
+    if (s)
+        __builtin_prefetch(ENT(t, s - 1), 1);
 }
 
 static inline int
@@ -249,7 +284,7 @@ static inline uint64_t
 mt_parent(const MaskTable *t, uint64_t k)
 {
     uint32_t e = mt_find(t, k, NULL);
-    return e == MT_NONE ? MT_NOPAR : t->par[e];
+    return e == MT_NONE ? MT_NOPAR : ENT(t, e)->par;
 }
 
 /* clear bit b of k's mask (no move): 1 if it was set */
@@ -259,7 +294,7 @@ mt_clear_bit(MaskTable *t, uint64_t k, uint32_t b)
     uint32_t e = mt_find(t, k, NULL);
     if (e == MT_NONE)
         return 0;
-    uint64_t *w = t->bits + (size_t)e * t->W + (b >> 6);
+    uint64_t *w = ENT(t, e)->bits + (b >> 6);
     uint64_t m = (uint64_t)1 << (b & 63);
     if (!(*w & m))
         return 0;
@@ -271,7 +306,7 @@ mt_clear_bit(MaskTable *t, uint64_t k, uint32_t b)
 static PyObject *
 mt_mask_obj(const MaskTable *t, uint32_t e)
 {
-    const uint64_t *w = t->bits + (size_t)e * t->W;
+    const uint64_t *w = ENT(t, e)->bits;
     uint32_t top = t->W;
     while (top > 1 && w[top - 1] == 0)
         top--;
@@ -329,6 +364,7 @@ mt_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     if (t == NULL)
         return NULL;
     t->W = (uint32_t)((nbits + 63) / 64);
+    t->stride = mt_stride(t->W);
     t->free_head = t->head = t->tail = MT_NONE;
     t->slot = PyMem_RawCalloc(16, sizeof(uint32_t));
     if (t->slot == NULL) {
@@ -342,11 +378,7 @@ mt_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 static void
 mt_dealloc(MaskTable *t)
 {
-    PyMem_RawFree(t->key);
-    PyMem_RawFree(t->par);
-    PyMem_RawFree(t->bits);
-    PyMem_RawFree(t->prv);
-    PyMem_RawFree(t->nxt);
+    PyMem_RawFree(t->raw);
     PyMem_RawFree(t->slot);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
@@ -401,9 +433,9 @@ mt_list(MaskTable *t, int what)
     if (out == NULL)
         return NULL;
     Py_ssize_t i = 0;
-    for (uint32_t e = t->head; e != MT_NONE; e = t->nxt[e], i++) {
+    for (uint32_t e = t->head; e != MT_NONE; e = ENT(t, e)->nxt, i++) {
         PyObject *k = NULL, *v = NULL, *item;
-        if (what != 1 && (k = PyLong_FromUnsignedLongLong(t->key[e])) == NULL)
+        if (what != 1 && (k = PyLong_FromUnsignedLongLong(ENT(t, e)->key)) == NULL)
             goto fail;
         if (what != 0 && (v = mt_mask_obj(t, e)) == NULL) {
             Py_XDECREF(k);
@@ -606,11 +638,11 @@ mt_py_parents(MaskTable *t, PyObject *unused)
     PyObject *out = PyDict_New();
     if (out == NULL)
         return NULL;
-    for (uint32_t e = t->head; e != MT_NONE; e = t->nxt[e]) {
-        if (t->par[e] == MT_NOPAR)
+    for (uint32_t e = t->head; e != MT_NONE; e = ENT(t, e)->nxt) {
+        if (ENT(t, e)->par == MT_NOPAR)
             continue;
-        PyObject *k = PyLong_FromUnsignedLongLong(t->key[e]);
-        PyObject *v = PyLong_FromUnsignedLongLong(t->par[e]);
+        PyObject *k = PyLong_FromUnsignedLongLong(ENT(t, e)->key);
+        PyObject *v = PyLong_FromUnsignedLongLong(ENT(t, e)->par);
         int rc = (k == NULL || v == NULL) ? -1 : PyDict_SetItem(out, k, v);
         Py_XDECREF(k);
         Py_XDECREF(v);
@@ -670,8 +702,8 @@ mt_py_clear_bits(MaskTable *t, PyObject *arg)
     }
     Py_DECREF(seq);
     Py_ssize_t gone = 0;
-    for (uint32_t e = t->head; e != MT_NONE; e = t->nxt[e]) {
-        uint64_t *w = t->bits + (size_t)e * t->W;
+    for (uint32_t e = t->head; e != MT_NONE; e = ENT(t, e)->nxt) {
+        uint64_t *w = ENT(t, e)->bits;
         for (uint32_t j = 0; j < t->W; j++) {
             uint64_t hit = w[j] & clear[j];
             if (hit) {
@@ -701,18 +733,18 @@ mt_py_evict(MaskTable *t, PyObject *arg)
     long long dropped = 0;
     while ((t->entries > target || (long long)t->n > target) && t->head != MT_NONE) {
         uint32_t e = t->head;
-        PyObject *k = PyLong_FromUnsignedLongLong(t->key[e]);
+        PyObject *k = PyLong_FromUnsignedLongLong(ENT(t, e)->key);
         if (k == NULL || PyList_Append(out, k) < 0) {
             Py_XDECREF(k);
             Py_DECREF(out);
             return NULL;
         }
         Py_DECREF(k);
-        int c = mt_popcount(t->bits + (size_t)e * t->W, t->W);
+        int c = mt_popcount(ENT(t, e)->bits, t->W);
         t->entries -= c;
         dropped += c;
         uint32_t pos;
-        mt_find(t, t->key[e], &pos);
+        mt_find(t, ENT(t, e)->key, &pos);
         mt_delete(t, pos, e);
     }
     return Py_BuildValue("(NL)", out, dropped);
@@ -730,24 +762,31 @@ mt_py_grow(MaskTable *t, PyObject *args)
         return NULL;
     }
     uint32_t W2 = (uint32_t)(((uint64_t)new_cap * tiers + 63) / 64);
-    size_t cap = t->cap ? t->cap : 1;
-    uint64_t *bits = PyMem_RawCalloc(cap * W2, sizeof(uint64_t));
-    if (bits == NULL)
-        return PyErr_NoMemory();
-    for (uint32_t e = t->head; e != MT_NONE; e = t->nxt[e]) {
-        const uint64_t *w = t->bits + (size_t)e * t->W;
-        uint64_t *d = bits + (size_t)e * W2;
+    size_t stride2 = mt_stride(W2);
+    void *raw;
+    char *base;
+    if (mt_alloc_entries(t->cap ? t->cap : 1, stride2, &raw, &base) < 0)
+        return NULL;
+    for (uint32_t e = 0; e < t->used; e++) { /* every entry, free ones too (their links matter) */
+        const MEnt *o = ENT(t, e);
+        MEnt *d = (MEnt *)(base + (size_t)e * stride2);
+        d->key = o->key;
+        d->par = o->par;
+        d->prv = o->prv;
+        d->nxt = o->nxt;
         for (uint32_t tier = 0; tier < tiers; tier++)
             for (uint32_t s = 0; s < old_cap; s++) {
                 uint32_t b = tier * old_cap + s;
-                if (w[b >> 6] >> (b & 63) & 1) {
+                if (o->bits[b >> 6] >> (b & 63) & 1) {
                     uint32_t nb = tier * new_cap + s;
-                    d[nb >> 6] |= (uint64_t)1 << (nb & 63);
+                    d->bits[nb >> 6] |= (uint64_t)1 << (nb & 63);
                 }
             }
     }
-    PyMem_RawFree(t->bits);
-    t->bits = bits;
+    PyMem_RawFree(t->raw);
+    t->raw = raw;
+    t->base = base;
+    t->stride = stride2;
     t->W = W2;
     t->version++;
     Py_RETURN_NONE;
@@ -756,7 +795,7 @@ mt_py_grow(MaskTable *t, PyObject *args)
 static PyObject *
 mt_py_nbytes(MaskTable *t, PyObject *unused)
 {
-    size_t b = sizeof(MaskTable) + (size_t)t->cap * (sizeof(uint64_t) * (2 + t->W) + 2 * sizeof(uint32_t)) +
+    size_t b = sizeof(MaskTable) + (size_t)t->cap * t->stride + (t->raw ? 64 : 0) +
                ((size_t)t->slot_mask + 1) * sizeof(uint32_t);
     return PyLong_FromSize_t(b);
 }
@@ -765,8 +804,8 @@ static PyObject *
 mt_py_bit_count(MaskTable *t, PyObject *unused)
 {
     long long c = 0;
-    for (uint32_t e = t->head; e != MT_NONE; e = t->nxt[e])
-        c += mt_popcount(t->bits + (size_t)e * t->W, t->W);
+    for (uint32_t e = t->head; e != MT_NONE; e = ENT(t, e)->nxt)
+        c += mt_popcount(ENT(t, e)->bits, t->W);
     return PyLong_FromLongLong(c);
 }
 
@@ -784,8 +823,8 @@ mt_py_lane_counts(MaskTable *t, PyObject *args)
     long long *counts = PyMem_Calloc(tiers ? tiers : 1, sizeof(long long));
     if (counts == NULL)
         return PyErr_NoMemory();
-    for (uint32_t e = t->head; e != MT_NONE; e = t->nxt[e]) {
-        const uint64_t *w = t->bits + (size_t)e * t->W;
+    for (uint32_t e = t->head; e != MT_NONE; e = ENT(t, e)->nxt) {
+        const uint64_t *w = ENT(t, e)->bits;
         for (uint32_t j = 0; j < t->W; j++) {
             uint64_t x = w[j];
             while (x) {

@@ -18,6 +18,7 @@ learned hashes and every counter end exactly as ``apply`` leaves them (tests com
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from kvevents.codec import decode_batch
@@ -40,7 +41,19 @@ _DEFAULT_GROUPS = frozenset({None, 0})
 class FastIngestMixin:
     def apply_payload(self, pod: str, payload: bytes, *, model: str | None = None, strict: bool = False) -> None:
         """Feed one encoded batch from ``pod``: the same effect as ``apply(pod,
-        decode_batch(payload))`` (a malformed payload raises :class:`kvevents.DecodeError`)."""
+        decode_batch(payload))`` (a malformed payload raises :class:`kvevents.DecodeError`).
+
+        Where the C extension is in use, each router binds this name to its C version
+        (``_bind_fast``), which does what the body below does without a Python frame."""
+        self._apply_payload_py(pod, payload, model, strict)
+
+    def _bind_fast(self) -> None:
+        """Shadow ``apply_payload`` with the C version for this router, where it applies."""
+        if _FAST is not None and self._cfg.groups == _DEFAULT_GROUPS:  # type: ignore[attr-defined]
+            self.apply_payload = functools.partial(  # type: ignore[method-assign]
+                _FAST.apply_payload, self, self._fast_ctxs, self._pending_by_hash, self._pending)  # type: ignore[attr-defined]
+
+    def _apply_payload_py(self, pod: str, payload: bytes, model: str | None, strict: bool) -> None:
         fast = _FAST
         if fast is None or self._pending_by_hash or self._cfg.groups != _DEFAULT_GROUPS:  # type: ignore[attr-defined]
             self.apply(pod, decode_batch(payload), model=model, strict=strict)  # type: ignore[attr-defined]

@@ -75,6 +75,7 @@ class KVRouter(FastIngestMixin, IngestMixin):
         self._health: dict[str, str] = {}  #: pod -> RECOVERING / STALE (SYNCED pods absent)
         self._gen = 0  #: bumped whenever endpoints or their states change (score's cache key)
         self._fast_ctxs: dict[str, dict[int, tuple]] = {}  #: pod -> rank -> the C fast path's context
+        self._bind_fast()
         self._walk_cache: tuple = (None, None)
 
     @property

@@ -160,6 +160,152 @@ def test_shutdown_reports_what_it_could_not_send() -> None:
     assert report.unsent_seqs == sorted(report.unsent_seqs) and report.unsent_seqs[-1] == 49
 
 
+class _Gate:
+    """A ``drop_live`` fault hook that stalls the live thread on one seq until opened."""
+
+    def __init__(self) -> None:
+        self.seq = -1
+        self.entered = threading.Event()
+        self.open = threading.Event()
+
+    def __call__(self, seq: int) -> bool:
+        if seq == self.seq:
+            self.entered.set()
+            self.open.wait(30)
+        return False
+
+
+def _sync_sub(pub: ZmqEventPublisher, ep: str) -> zmq.Socket:
+    """A raw SUB that is known to receive (slow joiner): warm-up batches until one arrives."""
+    sub = _raw_sub(ep)
+    deadline = time.monotonic() + 10
+    while not sub.poll(20):
+        assert time.monotonic() < deadline
+        pub.publish(batch(0))
+    return sub
+
+
+def test_a_backlog_goes_out_complete_in_order_and_counted() -> None:
+    """A backlog larger than a send group: batches, raw payloads with their own topic and an
+    unencodable batch (its seq becomes a gap), each in the ring before the socket; exact counters."""
+    ep, rep = ipc_pair()
+    gate = _Gate()
+    pub = ZmqEventPublisher(ep, rep, topic="t", drop_live=gate)
+    sub = _sync_sub(pub, ep)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(rep)
+    try:
+        gate.seq = first = pub.next_seq
+        pub.publish(batch(first, 2))
+        assert gate.entered.wait(10)  # the live thread holds seq `first`: what follows queues up
+        before = pub.stats()
+        n = 3 * ZmqEventPublisher.SEND_GROUP + 5
+        bad_seq, raw_seq = first + 40, first + 41
+        expected: dict[int, tuple[bytes, bytes]] = {first: (b"t", kvevents.encode_batch(batch(first, 2)))}
+        events = 2
+        for seq in range(first + 1, first + 1 + n):
+            if seq == bad_seq:
+                unencodable = kvevents.BlockStored([object()], None, [1], 16, None, "GPU", None)
+                pub.publish(kvevents.KVEventBatch(1.0, [unencodable], 0))
+            elif seq == raw_seq:
+                pub.publish_raw(b"raw payload", topic="other")
+                expected[seq] = (b"other", b"raw payload")
+            else:
+                b = batch(seq, 1 + seq % 3)
+                pub.publish(b)
+                expected[seq] = (b"t", kvevents.encode_batch(b))
+                events += len(b.events)
+        assert pub.stats()["queue_depth"] == n
+        gate.open.set()
+        got = {}
+        while len(got) < len(expected):
+            topic, seq_b, payload = _recv(sub)
+            seq = int.from_bytes(seq_b, "big")
+            if seq >= first:
+                assert seq not in got and all(s < seq for s in got)  # in order, no duplicate
+                got[seq] = (topic, payload)
+        assert got == expected
+        after = pub.stats()
+        assert after["batches_published"] - before["batches_published"] == len(expected)
+        assert after["events_published"] - before["events_published"] == events
+        assert after["bytes_published"] - before["bytes_published"] == sum(len(p) for _, p in expected.values())
+        assert after["encode_errors"] - before["encode_errors"] == 1
+        # the ring holds exactly what went out live (and nothing for the unencodable seq)
+        dealer.send_multipart([b"", first.to_bytes(8, "big")])
+        replayed = {}
+        while True:
+            empty, topic, seq_b, payload = _recv(dealer)
+            if seq_b == END:
+                break
+            replayed[int.from_bytes(seq_b, "big")] = (topic, payload)
+        assert replayed == expected
+    finally:
+        gate.open.set()
+        dealer.close(0)
+        sub.close(0)
+        pub.shutdown()
+
+
+class _StallingHooks:
+    """Telemetry hook stand-in: records what was sent and stalls ``before_send`` on one seq."""
+
+    every = 1
+
+    def __init__(self, stall_seq: int) -> None:
+        self.stall_seq = stall_seq
+        self.entered = threading.Event()
+        self.open = threading.Event()
+        self.sent: list[int] = []
+
+    def on_enqueue(self, seq: int) -> None:
+        pass
+
+    def before_send(self, seq: int, topic: bytes):
+        if seq == self.stall_seq:
+            self.entered.set()
+            self.open.wait(30)
+        return seq
+
+    def after_send(self, token, seq: int, payload: bytes, item, outcome: str) -> None:
+        if outcome == "sent":
+            self.sent.append(seq)
+
+
+@pytest.mark.parametrize("stall_at", ["encoding", "sending"])
+def test_shutdown_accounts_for_every_batch_of_a_stuck_group(stall_at: str) -> None:
+    """The live thread stuck in the middle of a send group (while encoding it, or while sending
+    it): every seq is either sent or reported unsent by shutdown(), never both, never neither."""
+    ep, _ = ipc_pair()
+    n = 3 * ZmqEventPublisher.SEND_GROUP
+    stall = ZmqEventPublisher.SEND_GROUP + 7
+    hooks = _StallingHooks(stall if stall_at == "encoding" else -1)
+    gate = _Gate()
+    gate.seq = stall if stall_at == "sending" else -1
+    first = _Gate()  # holds seq 0 until the whole backlog is queued: then it goes in send groups
+    first.seq = 0
+
+    def drop(seq: int) -> bool:
+        return first(seq) or gate(seq)
+
+    pub = ZmqEventPublisher(ep, drop_live=drop)
+    pub.hooks = hooks
+    pub.publish(batch(0))
+    assert first.entered.wait(10)
+    for i in range(1, n):
+        pub.publish(batch(i))
+    first.open.set()
+    stuck = hooks.entered if stall_at == "encoding" else gate.entered
+    assert stuck.wait(10)
+    report = pub.shutdown(timeout=0.05)
+    sent = list(hooks.sent)
+    hooks.open.set()
+    gate.open.set()
+    assert not set(sent) & set(report.unsent_seqs)
+    assert sorted(sent + report.unsent_seqs) == list(range(n))
+    assert stall in report.unsent_seqs and report.unsent == len(report.unsent_seqs)
+
+
 def test_replay_clients_are_rate_limited_but_answered() -> None:
     ep, rep = ipc_pair()
     pub = ZmqEventPublisher(ep, rep, replay_rate=50.0, replay_burst=2)

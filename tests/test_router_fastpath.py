@@ -11,6 +11,7 @@ fallback, and how the extension is loaded and refused.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -150,27 +151,27 @@ def _stream():
 
 def test_payloads_take_the_fast_path_and_answer_as_apply():
     slow, fast = KVRouter(model="m", block_size=2), KVRouter(model="m", block_size=2)
-    calls = []
-    real = fastingest._FAST.apply
+    left = []  # what C left to Python, per batch (None: nothing)
+    real = fast._fast_rest
 
-    def spy(*a):
-        out = real(*a)
-        calls.append(0 if out is None else out[0])  # None: all applied in C, nothing left to do
-        return out
+    def spy(pod, payload, model, strict, contexts, out):
+        left.append(out[0])
+        return real(pod, payload, model, strict, contexts, out)
 
-    fastingest_fast = fastingest._FAST
-    try:
-        fastingest._FAST = type("F", (), {"apply": staticmethod(spy), "MaskTable": fastingest_fast.MaskTable})
-        for b in _stream():
-            slow.apply("p", b)
-            fast.apply_payload("p", encode_batch(b))
-    finally:
-        fastingest._FAST = fastingest_fast
+    fast._fast_rest = spy
+    for b in _stream():
+        n = len(left)
+        slow.apply("p", b)
+        fast.apply_payload("p", encode_batch(b))
+        if len(left) == n:
+            left.append(None)
     assert state(fast) == state(slow)
-    # the GPU batch runs in C entirely; the first offload batch's chunk length is inferred in
-    # Python (status 1), after which offload joins and removals run in C too
-    assert calls == [0, 1, 0]
+    # the GPU batch runs in C entirely (status 0: all applied; Python only records the block size
+    # it taught); the first offload batch's chunk length is inferred in Python (status 1: the
+    # rest of the batch), after which offload joins and removals run in C with nothing left over
+    assert left == [0, 1, None]
     assert fast.stats.blocks_stored == 32 and fast.stats.offload_blocks == 12 and fast.stats.blocks_removed == 12
+    assert isinstance(fast.apply_payload, functools.partial)  # the C version is bound
 
 
 @pytest.mark.parametrize("cut", [1, 5, 17, -3, -1])
