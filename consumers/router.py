@@ -7,10 +7,9 @@ Its core needs no sockets: ``apply(pod, batch)`` feeds it one decoded batch,
 
 Known limitations (measured in ``benchmarks/router.py``):
 
-* Where the C extension is not built, ingest of decoded batches stays far below the
-  decode-only rate (hashing an event's 4 x 16 token ids alone costs about what decoding it
-  does). With it, ``apply_payload`` reaches ~90% for GPU events but about half for offload
-  events, whose engine-hash lookups (a Python dict) are memory-bound.
+* Where the C extension is not built, ingest stays far below the decode-only rate (hashing an
+  event's 4 x 16 token ids alone costs about what decoding it does). With it,
+  ``apply_payload`` ingests at or above the decode-only rate (see the README's figures).
 * With engine blocks larger than the canonical block, removing a block also clears the
   first key it shares with a sibling still held (the score under-reports, never over-reports).
 * ``reset_pod``/``AllBlocksCleared``/``remove_pod`` scan every key (one C-level pass; in
