@@ -66,7 +66,13 @@ def load(chain_py: Callable) -> ModuleType | None:
     try:
         from . import _fastpath  # type: ignore[attr-defined]
     except ImportError as exc:
-        _STATE.update(module=None, reason=f"not built ({exc}); pure Python")
+        import importlib.util
+
+        if importlib.util.find_spec(f"{__package__}._fastpath") is None:
+            reason = "not built (no C compiler when the package was installed); pure Python"
+        else:
+            reason = f"cannot be loaded ({exc}); pure Python"
+        _STATE.update(module=None, reason=reason)
         return None
     try:
         problem = _self_check(_fastpath, chain_py)
