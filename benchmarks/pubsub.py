@@ -6,9 +6,10 @@ The subscriber (our ``kvevents.Subscriber``, replay on) runs in a child process;
 publishes N batches of GPU BlockStored events (16 tokens per block) as fast as it can, timing
 each ``publish()`` call, and the child reports when the last batch was delivered and what was
 missing. Delivered rate = delivered events / (last delivery - first publish), both read from
-the same wall clock. Where ``import vllm`` works (see ../shared/peers/), vLLM's own
-ZmqEventPublisher is run the same way on the same batches, in the same run, and the ratio is
-printed. Physical limit column: a bare pyzmq PUB -> SUB of the same pre-encoded payloads
+the same wall clock. Where ``import vllm`` works (see ../shared/peers/; from a venv without
+it, the script re-runs itself under ``$KVEVENTS_PEER_PYTHON`` or ``../peer-venv``'s interpreter
+when one exists), vLLM's own ZmqEventPublisher is run the same way on the same batches, in the
+same run, and the ratio is printed. Physical limit column: a bare pyzmq PUB -> SUB of the same pre-encoded payloads
 (no encoding, no decoding, no bookkeeping) — what ZeroMQ + Python can move at all.
 """
 
@@ -206,6 +207,25 @@ def bench_bare(n: int, n_events: int, tmp: str) -> dict:
     return {"delivered_eps": out["got"] * n_events / elapsed if elapsed > 0 else 0.0}
 
 
+def _use_peer_venv() -> None:
+    """Where ``import vllm`` fails here but the peer venv exists (``$KVEVENTS_PEER_PYTHON``, else
+    ``../peer-venv`` beside the checkout), run this script under that venv's interpreter: both
+    publishers (and every subscriber process) then run on one interpreter and one pyzmq/msgspec."""
+    try:
+        import vllm  # noqa: F401
+        return
+    except Exception:  # noqa: BLE001 - any import failure: look for the peer venv
+        pass
+    root = Path(__file__).resolve().parent.parent
+    peer = os.environ.get("KVEVENTS_PEER_PYTHON") or str(root.parent / "peer-venv" / "bin" / "python")
+    if os.environ.get("_KVEVENTS_IN_PEER") or not os.path.exists(peer) \
+            or os.path.abspath(peer) == os.path.abspath(sys.executable):
+        return
+    print(f"# peer: vLLM not importable here; running under {peer}", file=sys.stderr, flush=True)
+    os.environ["_KVEVENTS_IN_PEER"] = "1"
+    os.execv(peer, [peer, str(Path(__file__).resolve()), *sys.argv[1:]])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", default="main", help=argparse.SUPPRESS)
@@ -225,6 +245,7 @@ def main() -> None:
     if args.quick:
         args.batches, args.repeat = 2_000, 1
 
+    _use_peer_venv()
     import kvevents
 
     tmp = tempfile.mkdtemp(prefix="kvbench-")

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from operator import length_hint as _length_hint
 
 import zmq
 
@@ -37,74 +37,27 @@ from .codec import BatchEncoder
 from .endpoints import offset_endpoint, should_bind, validate_endpoint
 from .errors import ConfigError, EndpointError
 from .events import KVEventBatch
-from .publisher_base import EventPublisher, ShutdownReport
+from .publisher_base import EventPublisher, PublisherStats, ShutdownReport, _Ring
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SNDMORE = zmq.SNDMORE
 _pack_seq = struct.Struct(">Q").pack
 _yield_gil = time.sleep
 OVERFLOW_POLICIES = ("replay_only", "drop_oldest")
+_UNTRACED = object()  # the span token of a batch whose seq the hooks do not sample
 
 
-@dataclass(slots=True)
-class PublisherStats:
-    """Plain-int counters; read them any time (``stats()`` returns a dict copy)."""
+def _backend_send(sock: zmq.Socket):
+    """``sock.send`` without pyzmq's Python-level wrapper.
 
-    batches_published: int = 0  #: batches sent on the PUB socket
-    events_published: int = 0
-    bytes_published: int = 0  #: payload bytes sent live
-    overflow: int = 0  #: batches taken off the live path because the queue was full
-    overflow_lost: int = 0  #: of those, batches also lost to replay (policy drop_oldest, or ring full)
-    encode_errors: int = 0  #: batches that could not be encoded (their seq becomes a gap)
-    send_errors: int = 0
-    ring_evicted: int = 0  #: batches pushed out of the replay ring by its count/bytes bounds
-    replay_requests: int = 0
-    replay_batches_served: int = 0
-    replay_rate_limited: int = 0  #: requests that had to wait for their client's token bucket
-    replay_malformed: int = 0  #: replay requests with a bad shape
-    replay_aborted: int = 0  #: replays cut short (client gone or not reading)
-    live_dropped: int = 0  #: batches kept off the live socket by the drop_live fault injector
-
-
-class _Ring:
-    """Encoded batches kept for replay, bounded by count and bytes.
-
-    One writer (the live thread) appends each batch BEFORE it goes on the socket, so a
-    subscriber that sees seq s live can always get every earlier seq the ring still holds.
-    No lock: readers take a snapshot with ``list(deque)``, one C-level copy that no other
-    Python thread can interleave with under the GIL.
+    ``zmq.Socket.send`` is a Python method that only handles the DRAFT ``routing_id``/``group``
+    arguments (never used here) before calling its compiled base class's ``send``; calling that
+    base directly does the same send for ~40% fewer instructions per frame (callgrind). Any
+    other socket class (a subclass overriding ``send``) keeps its own ``send``.
     """
-
-    __slots__ = ("items", "nbytes", "max_items", "max_bytes", "stats")
-
-    def __init__(self, max_items: int, max_bytes: int, stats: PublisherStats) -> None:
-        self.items: deque[tuple[int, bytes, bytes]] = deque()
-        self.nbytes = 0
-        self.max_items = max_items
-        self.max_bytes = max_bytes
-        self.stats = stats
-
-    def append(self, seq: int, topic: bytes, payload: bytes) -> None:
-        self.items.append((seq, topic, payload))
-        self.nbytes += len(payload)
-        self.trim()
-
-    def trim(self) -> None:
-        items = self.items
-        while len(items) > self.max_items or self.nbytes > self.max_bytes:
-            self.nbytes -= len(items.popleft()[2])
-            self.stats.ring_evicted += 1
-
-    def since(self, start: int) -> list[tuple[int, bytes, bytes]]:
-        """Every kept batch with seq >= start, oldest first."""
-        snapshot = list(self.items)
-        out = []
-        for item in reversed(snapshot):
-            if item[0] < start:
-                break
-            out.append(item)
-        out.reverse()
-        return out
+    if type(sock) is zmq.Socket:
+        return super(zmq.Socket, sock).send
+    return sock.send
 
 
 class ZmqEventPublisher(EventPublisher):
@@ -119,6 +72,9 @@ class ZmqEventPublisher(EventPublisher):
     when it returns True, keeps that batch off the live socket (it still goes to the replay
     ring), so subscribers' gap healing can be exercised; counted as ``live_dropped``.
     """
+
+    #: most batches of a backlog encoded before they are sent back to back (see _send_chunk)
+    SEND_GROUP = 32
 
     def __init__(
         self,
@@ -160,10 +116,10 @@ class ZmqEventPublisher(EventPublisher):
         self._stats = PublisherStats()
         self._ring = _Ring(buffer_steps, buffer_bytes, self._stats)
         self._encoder = BatchEncoder(legacy=legacy)
+        self._buf = bytearray(8192)
         self._replay_rate = float(replay_rate)
         self._replay_burst = replay_burst
         self._drop_live = drop_live
-        #: telemetry hook object (installed by kvevents.telemetry; None: the cost is one check)
         #: telemetry hook point (kvevents.telemetry installs it): ``on_enqueue``, ``before_send`` and
         #: ``after_send`` are called only for the batches whose seq is a multiple of ``hooks.every``
         #: (trace sampling by seq), ``on_replay`` for every replay served
@@ -174,12 +130,13 @@ class ZmqEventPublisher(EventPublisher):
         self._ring_only: deque = deque()  # overflowed: numbered, kept for replay, not sent live
         self._seq = 0
         self._wake = threading.Event()
-        self._idle = threading.Event()
+        self._idle = threading.Event()  # set while the live thread has nothing to send
         self._idle.set()
+        self._asleep = True  # _idle as a plain bool (read by publish(), under the lock)
         self._closing = False
         self._closed = False
         self._inflight: list = []  # what the live thread took and is sending now
-        self._inflight_pos = 0
+        self._group_end, self._ready, self._sending = 0, [], None  # where it is (see _stuck)
         self._deadline = 0.0
 
         self._ctx = context or zmq.Context.instance()
@@ -219,7 +176,27 @@ class ZmqEventPublisher(EventPublisher):
         """Queue ``batch``; returns at once. Raises RuntimeError after shutdown, TypeError on a non-batch."""
         if type(batch) is not KVEventBatch:
             raise TypeError(f"publish() expects a KVEventBatch, got {type(batch).__name__}")
-        self._enqueue(batch, None, None)
+        # _enqueue(batch, None, None), inlined: this is the engine's cost per step. The lock is
+        # taken by acquire/release, not ``with``: CPython 3.11's ``with`` looks __enter__ and
+        # __exit__ up on every use (~2x the instructions)
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._closing:
+                raise RuntimeError("publish() after shutdown()")
+            seq = self._seq
+            self._seq = seq + 1
+            q = self._queue
+            if len(q) >= self.max_queue_size:
+                self._overflow(q)
+            q.append((seq, batch, self._topic_bytes))
+            hooks = self.hooks
+            if hooks is not None and not seq % hooks.every:
+                hooks.on_enqueue(seq)
+            if self._asleep:
+                self._wake_up()
+        finally:
+            lock.release()
 
     def publish_raw(self, payload: bytes, seq: int | None = None, topic: str | None = None) -> None:
         """Queue an already encoded payload, optionally with its own seq (record/replay tools).
@@ -241,22 +218,31 @@ class ZmqEventPublisher(EventPublisher):
             self._seq = seq + 1
             q = self._queue
             if len(q) >= self.max_queue_size:
-                self._stats.overflow += 1
-                old = q.popleft()
-                if self.overflow_policy == "replay_only":
-                    self._ring_only.append(old)
-                    if len(self._ring_only) > self._ring.max_items:
-                        self._ring_only.popleft()
-                        self._stats.overflow_lost += 1
-                else:
-                    self._stats.overflow_lost += 1
+                self._overflow(q)
             q.append((seq, item, topic or self._topic_bytes))
             hooks = self.hooks
             if hooks is not None and not seq % hooks.every:
                 hooks.on_enqueue(seq)
-            if self._idle.is_set():
-                self._idle.clear()
-                self._wake.set()
+            if self._asleep:
+                self._wake_up()
+
+    def _overflow(self, q: deque) -> None:
+        """The queue is full (lock held): the oldest batch leaves the live path, as the policy says."""
+        self._stats.overflow += 1
+        old = q.popleft()
+        if self.overflow_policy == "replay_only":
+            self._ring_only.append(old)
+            if len(self._ring_only) > self._ring.max_items:
+                self._ring_only.popleft()
+                self._stats.overflow_lost += 1
+        else:
+            self._stats.overflow_lost += 1
+
+    def _wake_up(self) -> None:
+        """The live thread is idle (lock held): it has work again."""
+        self._asleep = False
+        self._idle.clear()
+        self._wake.set()
 
     # ---- live thread -----------------------------------------------------------------------
 
@@ -267,6 +253,7 @@ class ZmqEventPublisher(EventPublisher):
             live = list(self._queue)
             self._queue.clear()
             if not ring_only and not live:
+                self._asleep = True
                 self._idle.set()
             return ring_only, live
 
@@ -287,8 +274,6 @@ class ZmqEventPublisher(EventPublisher):
             self._pub.close(linger=int(remaining * 1000))
 
     def _live_loop(self) -> None:
-        stats = self._stats
-        pub = self._pub
         ring = self._ring
         while True:
             ring_only, live = self._take()
@@ -304,21 +289,42 @@ class ZmqEventPublisher(EventPublisher):
                     if payload is not None:
                         ring.append(seq, topic, payload)
             self._inflight = live
-            hooks = self.hooks
-            every = hooks.every if hooks is not None else 0
-            token = None
-            drop = self._drop_live
-            send = pub.send
-            # the encoder and the ring, one call deep (this loop is the publisher's hot path)
-            encode = None if self._encoder.legacy else self._encoder._enc.encode
-            items = ring.items
-            for i, (seq, item, topic) in enumerate(live):
-                self._inflight_pos = i
-                if self._closing and time.monotonic() > self._deadline:
-                    with self._lock:  # give the rest back for shutdown() to report
-                        self._queue.extendleft(reversed(live[i:]))
-                        self._inflight = []
-                    return
+            if self._send_chunk(live):
+                return
+            self._inflight = []
+
+    def _send_chunk(self, live: list) -> bool:
+        """Encode, keep in the ring, and send each of ``live``; True when shutdown's deadline
+        passed (what is left went back to the queue for shutdown() to report).
+
+        A backlog goes in groups of up to ``SEND_GROUP``: the group is encoded and put in the
+        ring, then its sends go back to back. +2% instructions, but a higher delivered rate to
+        a subscriber process on 2 cores in each of 4 interleaved A/B runs (+2% to +29%), with
+        less CPU per batch over both processes in 3 of them. A lone batch (an engine step) is a
+        group of one: no added latency. Under a backlog a sampled batch's span also covers the
+        rest of its group's encoding.
+        """
+        stats = self._stats
+        ring = self._ring
+        items = ring.items
+        max_items, max_bytes = ring.max_items, ring.max_bytes
+        hooks = self.hooks
+        every = hooks.every if hooks is not None else 0
+        token = None
+        drop = self._drop_live
+        send = _backend_send(self._pub)
+        # the encoder, one call deep, into a reused buffer: one copy out of it (bytes) instead
+        # of msgspec's growing and shrinking a fresh bytes object per batch
+        encode_into = None if self._encoder.legacy else self._encoder._enc.encode_into
+        buf = self._buf
+        group_size = self.SEND_GROUP
+        n_live = len(live)
+        for start in range(0, n_live, group_size):
+            end = start + group_size
+            self._group_end = end
+            self._sending = None  # shutdown() reads where this thread is: see _stuck
+            ready = []  # (seq, topic, payload, item, span token): in the ring, not yet sent
+            for seq, item, topic in live[start:end] if n_live > group_size else live:
                 traced = every and not seq % every  # per-batch hooks only for sampled seqs
                 if traced:
                     token = hooks.before_send(seq, topic)
@@ -326,24 +332,36 @@ class ZmqEventPublisher(EventPublisher):
                     payload = item
                 else:
                     try:
-                        payload = encode(item) if encode is not None else self._encoder.encode(item)
+                        if encode_into is not None:
+                            encode_into(item, buf)
+                            payload = bytes(buf)
+                        else:
+                            payload = self._encoder.encode(item)
                     except Exception:  # a batch holding values msgpack cannot carry
                         stats.encode_errors += 1
                         if traced:
                             hooks.after_send(token, seq, b"", item, "encode_error")
                         continue
-                # into the ring before the socket (see _Ring); _Ring.append, inlined
+                # into the ring before the socket (see _Ring); _Ring.append and trim, inlined
                 items.append((seq, topic, payload))
-                ring.nbytes += len(payload)
-                if len(items) > ring.max_items or ring.nbytes > ring.max_bytes:
-                    ring.trim()
-                if i & 31 == 31:
-                    # hand the GIL over: the engine thread calling publish() must never wait
-                    # a whole switch interval (5 ms) behind this loop
-                    _yield_gil(0)
+                nbytes = ring.nbytes + len(payload)
+                while len(items) > max_items or nbytes > max_bytes:  # a full ring: every batch
+                    nbytes -= len(items.popleft()[2])
+                    stats.ring_evicted += 1
+                ring.nbytes = nbytes
+                ready.append((seq, topic, payload, item, token if traced else _UNTRACED))
+            self._ready = ready
+            self._sending = it = iter(ready)
+            for seq, topic, payload, item, token in it:
+                if self._closing and time.monotonic() > self._deadline:
+                    rest = [(r[0], r[3], r[1]) for r in ready[len(ready) - _length_hint(it) - 1:]]
+                    with self._lock:  # give the rest back for shutdown() to report
+                        self._queue.extendleft(reversed(rest + live[end:]))
+                        self._inflight = []
+                    return True
                 if drop is not None and drop(seq):
                     stats.live_dropped += 1
-                    if traced:
+                    if token is not _UNTRACED:
                         hooks.after_send(token, seq, payload, item, "dropped")
                     continue
                 try:
@@ -353,16 +371,20 @@ class ZmqEventPublisher(EventPublisher):
                     send(payload)
                 except zmq.ZMQError:
                     stats.send_errors += 1
-                    if traced:
+                    if token is not _UNTRACED:
                         hooks.after_send(token, seq, payload, item, "send_error")
                 else:
                     stats.batches_published += 1
                     stats.bytes_published += len(payload)
                     if type(item) is not bytes:
                         stats.events_published += len(item.events)
-                    if traced:
+                    if token is not _UNTRACED:
                         hooks.after_send(token, seq, payload, item, "sent")
-            self._inflight = []
+            if end < n_live:
+                # hand the GIL over between groups: the engine thread calling publish() must
+                # never wait a whole switch interval (5 ms) behind this loop
+                _yield_gil(0)
+        return False
 
     # ---- replay thread ---------------------------------------------------------------------
 
@@ -443,6 +465,19 @@ class ZmqEventPublisher(EventPublisher):
         out["ring_bytes"] = self._ring.nbytes
         return out
 
+    def _stuck(self) -> list[int]:
+        """Seqs the live thread took and has not finished: the one it is on and the rest."""
+        inflight = self._inflight
+        if not inflight:
+            return []
+        sending = self._sending
+        if sending is None:  # encoding a group: nothing of it sent yet
+            start = max(0, self._group_end - self.SEND_GROUP)
+            return [seq for seq, _, _ in inflight[start:]]
+        ready = self._ready  # sending a group: the iterator has handed out the current one
+        rest = ready[max(0, len(ready) - _length_hint(sending) - 1):]
+        return [r[0] for r in rest] + [seq for seq, _, _ in inflight[self._group_end:]]
+
     @property
     def next_seq(self) -> int:
         return self._seq
@@ -458,8 +493,8 @@ class ZmqEventPublisher(EventPublisher):
         self._wake.set()
         self._thread.join(max(0.0, timeout) + 1.0)
         with self._lock:
-            stuck = self._inflight[self._inflight_pos:] if self._thread.is_alive() else []
-            unsent = [seq for seq, _, _ in stuck] + [seq for seq, _, _ in self._queue]
+            stuck = self._stuck() if self._thread.is_alive() else []
+            unsent = stuck + [seq for seq, _, _ in self._queue]
             self._queue.clear()
             self._ring_only.clear()
         if self._replay_thread is not None:
