@@ -129,8 +129,9 @@ class DemoRun:
             block_size=self.sizing.block_size, model=MODEL, load_weight=0.25,
             offload_chunk_blocks={"CPU": self.sizing.offload_block_size // self.sizing.block_size,
                                   "STORAGE": self.sizing.offload_block_size // self.sizing.block_size}))
+        # raw: the router decodes the payloads itself (KVRouter.apply_payload, in C where built)
         self.sub = Subscriber([PublisherSpec(n.endpoint, n.replay_endpoint, n.name) for n in self.nodes],
-                              late_join=True)
+                              late_join=True, raw=True)
         writer = RecordingWriter(self.record_path, meta={
             "source": "kvevents demo", "backfill": True, "engines": [n.name for n in self.nodes],
             "model": MODEL}, flush_every=16)
@@ -179,14 +180,16 @@ class DemoRun:
 
     def _take(self, deliveries) -> int:
         n = 0
+        stats = self.router.stats
         for d in deliveries:
+            events_before = stats.events
             self.router.handle(d)
             st = self.streams.get(d.publisher)
             if st is None:
                 st = self.streams[d.publisher] = StreamTally()
             if d.kind is DeliveryKind.BATCH:
                 st.batches += 1
-                st.events += len(d.batch.events)
+                st.events += stats.events - events_before  # (raw deliveries: the router counted them)
                 st.replayed += d.replayed
                 n += 1
             elif d.kind is DeliveryKind.GAP:

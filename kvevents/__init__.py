@@ -1,6 +1,6 @@
 """kvevents: KV-cache event streaming, wire-compatible with vLLM."""
 
-from .codec import BatchDecoder, BatchEncoder, decode_batch, encode_batch
+from .codec import BatchDecoder, BatchEncoder, decode_batch, encode_batch, peek_ts
 from .config import EventPublisherFactory, KVEventsConfig
 from .delivery import Delivery, DeliveryKind, HealthState, PublisherHealth
 from .endpoints import offset_endpoint
@@ -54,5 +54,6 @@ __all__ = [
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",
     "decode_batch",
+    "peek_ts",
     "encode_batch",
 ]

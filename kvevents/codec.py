@@ -7,6 +7,8 @@ which are required today. Anything else is one :class:`~kvevents.errors.DecodeEr
 
 from __future__ import annotations
 
+import struct
+
 import msgspec
 
 from .errors import DecodeError
@@ -18,7 +20,7 @@ from .events import (
     to_legacy,
 )
 
-__all__ = ["encode_batch", "decode_batch", "BatchEncoder", "BatchDecoder"]
+__all__ = ["encode_batch", "decode_batch", "peek_ts", "BatchEncoder", "BatchDecoder"]
 
 
 class BatchEncoder:
@@ -110,3 +112,20 @@ def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
         return _FAST_DECODE(payload)  # the current encoding, one call deep
     except Exception:
         return _DECODER.decode(payload)
+
+
+_F64 = struct.Struct(">d").unpack_from
+_F32 = struct.Struct(">f").unpack_from
+
+
+def peek_ts(payload: bytes) -> float | None:
+    """The ``ts`` of an encoded batch without decoding it (its first array element), or None
+    when the payload does not start like a KVEventBatch (for raw-mode consumers' lag metrics)."""
+    if len(payload) < 6 or payload[0] not in (0x92, 0x93):
+        return None
+    kind = payload[1]
+    if kind == 0xCB and len(payload) >= 10:
+        return _F64(payload, 2)[0]
+    if kind == 0xCA:
+        return _F32(payload, 2)[0]
+    return None

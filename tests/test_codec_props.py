@@ -318,3 +318,14 @@ def test_decode_hostile_payloads_raise_decode_error(payload: bytes) -> None:
 def test_decode_error_is_a_kvevents_error() -> None:
     with pytest.raises(kvevents.KVEventsError):
         kvevents.decode_batch(b"\xc1")
+
+
+@settings(max_examples=100, deadline=None)
+@given(ts=st.floats(allow_nan=False), rank=st.none() | st.integers(0, 7))
+def test_peek_ts_reads_the_ts_without_decoding(ts, rank):
+    from kvevents import AllBlocksCleared, KVEventBatch, encode_batch, peek_ts
+
+    for legacy in (False, True):
+        payload = encode_batch(KVEventBatch(ts, [AllBlocksCleared()], rank), legacy=legacy)
+        assert peek_ts(payload) == ts
+    assert peek_ts(b"") is None and peek_ts(b"\x93\xc0\x90\x00\x00\x00") is None and peek_ts(b"\x81\xa1a\x01xx") is None

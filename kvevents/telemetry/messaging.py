@@ -31,6 +31,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, SpanKind, Status, StatusCode
 
+from ..codec import peek_ts
 from .instruments import get_tracer
 from .sampling import resolve_sample_every
 
@@ -208,10 +209,17 @@ class SubscriberHooks:
                 continue
             b = d.batch
             if b is not None:
-                a = attrs.get(d.publisher)
-                if a is None:
-                    a = attrs[d.publisher] = {"publisher": d.publisher, **self.lag_extra}
-                lag.record(max(0.0, d.recv_ts - b.ts), a)
+                ts = b.ts
+            elif d.payload is not None:  # a raw-mode subscriber: the ts read off the payload
+                ts = peek_ts(d.payload)
+                if ts is None:
+                    continue
+            else:
+                continue
+            a = attrs.get(d.publisher)
+            if a is None:
+                a = attrs[d.publisher] = {"publisher": d.publisher, **self.lag_extra}
+            lag.record(max(0.0, d.recv_ts - ts), a)
 
     def on_replay_request(self, publisher: str, topic: str, start: int) -> None:
         tracer = self.tracer
