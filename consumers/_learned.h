@@ -37,7 +37,13 @@ static PyTypeObject LearnedTableType;
 static inline uint32_t
 lt_home(const LearnedTable *m, uint64_t k)
 {
-    return (uint32_t)((k * 0x9E3779B97F4A7C15ULL) >> 32) & m->slot_mask;
+    return oa_home(k, m->slot_mask);
+}
+
+static uint64_t
+lt_key_at(const void *m, uint32_t e)
+{
+    return ((const LearnedTable *)m)->ent[e].key;
 }
 
 /* entry index of k or MT_NONE; *pos: its slot (or where it would go) */
@@ -62,22 +68,15 @@ lt_find(const LearnedTable *m, uint64_t k, uint32_t *pos)
 static int
 lt_reindex(LearnedTable *m, uint32_t size)
 {
-    uint32_t *slot = PyMem_RawCalloc(size, sizeof(uint32_t));
-    if (slot == NULL) {
-        PyErr_NoMemory();
+    uint32_t *slot = oa_new_slots(size);
+    if (slot == NULL)
         return -1;
-    }
     PyMem_RawFree(m->slot);
     m->slot = slot;
     m->slot_mask = size - 1;
-    for (uint32_t e = 0; e < m->used; e++) {
-        if (m->ent[e].tag == LT_DEAD)
-            continue;
-        uint32_t i = lt_home(m, m->ent[e].key);
-        while (m->slot[i])
-            i = (i + 1) & m->slot_mask;
-        m->slot[i] = e + 1;
-    }
+    for (uint32_t e = 0; e < m->used; e++)
+        if (m->ent[e].tag != LT_DEAD)
+            oa_place(slot, m->slot_mask, m->ent[e].key, e);
     return 0;
 }
 
@@ -159,24 +158,7 @@ lt_set(LearnedTable *m, uint64_t k, uint32_t tag, uint64_t val)
 static void
 lt_delete_at(LearnedTable *m, uint32_t pos, uint32_t e)
 {
-    uint32_t i = pos;
-    for (;;) {
-        m->slot[i] = 0;
-        uint32_t j = i;
-        for (;;) {
-            j = (j + 1) & m->slot_mask;
-            uint32_t s = m->slot[j];
-            if (s == 0)
-                goto done;
-            uint32_t home = lt_home(m, m->ent[s - 1].key);
-            if (i <= j ? (home <= i || home > j) : (home <= i && home > j)) {
-                m->slot[i] = s;
-                i = j;
-                break;
-            }
-        }
-    }
-done:
+    oa_delete(m->slot, m->slot_mask, pos, m, lt_key_at);
     if (m->ent[e].tag == LT_OBJ)
         Py_DECREF((PyObject *)(uintptr_t)m->ent[e].val);
     m->ent[e].tag = LT_DEAD;

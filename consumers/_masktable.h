@@ -18,6 +18,63 @@
 #define MT_NONE ((uint32_t)0xFFFFFFFFu)
 #define MT_NOPAR ((uint64_t)0xFFFFFFFFFFFFFFFFULL) /* no parent link */
 
+/* --- open addressing, shared by MaskTable and LearnedTable (_learned.h) ------------------
+ * A table of u32 slots, each 0 (empty) or an entry number + 1, probed linearly from a key's
+ * home slot; a deletion shifts later entries of the probe run back (no tombstones). */
+
+static inline uint32_t
+oa_home(uint64_t k, uint32_t slot_mask)
+{
+    return (uint32_t)((k * 0x9E3779B97F4A7C15ULL) >> 32) & slot_mask;
+}
+
+/* a new, empty slot array of `size` (a power of two), or NULL with MemoryError */
+static uint32_t *
+oa_new_slots(uint32_t size)
+{
+    uint32_t *slot = PyMem_RawCalloc(size, sizeof(uint32_t));
+    if (slot == NULL)
+        PyErr_NoMemory();
+    return slot;
+}
+
+/* put entry e (key k) in the first free slot of its probe run (rebuilding an index) */
+static inline void
+oa_place(uint32_t *slot, uint32_t slot_mask, uint64_t k, uint32_t e)
+{
+    uint32_t i = oa_home(k, slot_mask);
+    while (slot[i])
+        i = (i + 1) & slot_mask;
+    slot[i] = e + 1;
+}
+
+/* the key of entry e of `table` (each table says where its keys are) */
+typedef uint64_t (*oa_key_fn)(const void *table, uint32_t e);
+
+/* empty slot `pos`, moving back the entries after it whose home allows */
+static void
+oa_delete(uint32_t *slot, uint32_t slot_mask, uint32_t pos, const void *table, oa_key_fn key_of)
+{
+    uint32_t i = pos;
+    for (;;) {
+        slot[i] = 0;
+        uint32_t j = i;
+        for (;;) {
+            j = (j + 1) & slot_mask;
+            uint32_t s = slot[j];
+            if (s == 0)
+                return;
+            uint32_t home = oa_home(key_of(table, s - 1), slot_mask);
+            /* can the entry at j move to i? only if i lies cyclically in [home, j) */
+            if (i <= j ? (home <= i || home > j) : (home <= i && home > j)) {
+                slot[i] = s;
+                i = j;
+                break;
+            }
+        }
+    }
+}
+
 typedef struct {
     PyObject_HEAD
     uint32_t W;         /* 64-bit words per mask */
@@ -73,7 +130,13 @@ mt_alloc_entries(size_t n, size_t stride, void **raw, char **base)
 static inline uint32_t
 mt_home(const MaskTable *t, uint64_t k)
 {
-    return (uint32_t)((k * 0x9E3779B97F4A7C15ULL) >> 32) & t->slot_mask;
+    return oa_home(k, t->slot_mask);
+}
+
+static uint64_t
+mt_key_at(const void *t, uint32_t e)
+{
+    return ENT((const MaskTable *)t, e)->key;
 }
 
 /* entry of k, or MT_NONE; *pos gets the table position where it is (or would go) */
@@ -98,20 +161,14 @@ mt_find(const MaskTable *t, uint64_t k, uint32_t *pos)
 static int
 mt_rehash(MaskTable *t, uint32_t size)
 {
-    uint32_t *slot = PyMem_RawCalloc(size, sizeof(uint32_t));
-    if (slot == NULL) {
-        PyErr_NoMemory();
+    uint32_t *slot = oa_new_slots(size);
+    if (slot == NULL)
         return -1;
-    }
     PyMem_RawFree(t->slot);
     t->slot = slot;
     t->slot_mask = size - 1;
-    for (uint32_t e = t->head; e != MT_NONE; e = ENT(t, e)->nxt) {
-        uint32_t i = mt_home(t, ENT(t, e)->key);
-        while (t->slot[i])
-            i = (i + 1) & t->slot_mask;
-        t->slot[i] = e + 1;
-    }
+    for (uint32_t e = t->head; e != MT_NONE; e = ENT(t, e)->nxt)
+        oa_place(slot, t->slot_mask, ENT(t, e)->key, e);
     return 0;
 }
 
@@ -199,25 +256,7 @@ mt_get_or_add(MaskTable *t, uint64_t k, int *created)
 static void
 mt_delete(MaskTable *t, uint32_t pos, uint32_t e)
 {
-    uint32_t i = pos;
-    for (;;) {
-        t->slot[i] = 0;
-        uint32_t j = i;
-        for (;;) {
-            j = (j + 1) & t->slot_mask;
-            uint32_t s = t->slot[j];
-            if (s == 0)
-                goto done;
-            uint32_t home = mt_home(t, ENT(t, s - 1)->key);
-            /* can the entry at j move to i? only if i lies cyclically in [home, j) */
-            if (i <= j ? (home <= i || home > j) : (home <= i && home > j)) {
-                t->slot[i] = s;
-                i = j;
-                break;
-            }
-        }
-    }
-done:
+    oa_delete(t->slot, t->slot_mask, pos, t, mt_key_at);
     mt_unlink(t, e);
     ENT(t, e)->nxt = t->free_head;
     t->free_head = e;
@@ -473,16 +512,21 @@ mt_iter(MaskTable *t)
     return it;
 }
 
+/* (keys, bit) arguments: the keys as a fast sequence (a new reference) and the bit, or NULL */
+static PyObject *
+mt_keys_and_bit(MaskTable *t, PyObject *args, const char *fmt, const char *what, uint32_t *b)
+{
+    PyObject *keys, *bo;
+    if (!PyArg_ParseTuple(args, fmt, &keys, &bo) || mt_bit_arg(t, bo, b) < 0)
+        return NULL;
+    return PySequence_Fast(keys, what);
+}
+
 static PyObject *
 mt_py_set_bit(MaskTable *t, PyObject *args)
 {
-    PyObject *keys, *bo;
-    if (!PyArg_ParseTuple(args, "OO:set_bit", &keys, &bo))
-        return NULL;
     uint32_t b;
-    if (mt_bit_arg(t, bo, &b) < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(keys, "set_bit: keys must be a sequence of ints");
+    PyObject *seq = mt_keys_and_bit(t, args, "OO:set_bit", "set_bit: keys must be a sequence of ints", &b);
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), fresh = 0;
@@ -657,13 +701,8 @@ mt_py_parents(MaskTable *t, PyObject *unused)
 static PyObject *
 mt_py_clear_bit(MaskTable *t, PyObject *args)
 {
-    PyObject *keys, *bo;
-    if (!PyArg_ParseTuple(args, "OO:clear_bit", &keys, &bo))
-        return NULL;
     uint32_t b;
-    if (mt_bit_arg(t, bo, &b) < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(keys, "clear_bit: keys must be a sequence of ints");
+    PyObject *seq = mt_keys_and_bit(t, args, "OO:clear_bit", "clear_bit: keys must be a sequence of ints", &b);
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), gone = 0;
