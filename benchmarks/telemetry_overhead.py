@@ -273,6 +273,19 @@ def bench_router_apply(mode: Mode, n: int) -> tuple[float, float]:
     return c.per(n)
 
 
+def bench_router_apply_raw(mode: Mode, n: int) -> tuple[float, float]:
+    """The same batches as payloads (a ``Subscriber(raw=True)``): ``apply_payload``, in C where built."""
+    r = KVRouter()
+    mode.router(r)
+    ds = [Delivery(DeliveryKind.BATCH, "pod0", TOPIC, i, None, time.time(), payload=encode_batch(make_batch(i, 16)))
+          for i in range(n)]
+    with _Clock() as c:
+        for d in ds:
+            r.handle(d)
+    mode.done()
+    return c.per(n)
+
+
 def bench_router_score(mode: Mode, n: int) -> tuple[float, float]:
     r = KVRouter()
     for i in range(64):  # an index to score against (outside the timed part)
@@ -293,6 +306,7 @@ PATHS = {
     "subscriber": ("subscriber receive+decode (per batch)", bench_subscriber, 1),
     "engine": ("engine step (per step)", bench_engine, None),
     "router-apply": ("router apply (per batch)", bench_router_apply, 1),
+    "router-apply-raw": ("router apply_payload, raw (per batch)", bench_router_apply_raw, 1),
     "router-score": ("router score (per call)", bench_router_score, 1),
 }
 
