@@ -6,7 +6,7 @@
 
 Paths: publisher publish()+send (batches of 16 events), subscriber receive+decode, a
 simulated engine's step (CPU manager, transfer jobs, one published batch per step with
-events), router apply (handle per delivery) and score. Modes:
+events), router apply (handle per delivery, decoded batches and raw payloads) and score. Modes:
 
 * ``off``: no provider, nothing observed or instrumented (the library's default);
 * ``metrics``: SDK MeterProvider (a periodic reader every 500 ms whose exporter discards, so
