@@ -330,3 +330,51 @@ def test_the_learned_table_behaves_as_a_dict(ops):
         assert list(t.items()) == list(d.items()) and len(t) == len(d) and list(t) == list(d)
         assert t.oldest(3) == list(d)[:3]
     assert t.is_dict() == any(not (type(k) is int and 0 <= k < 2**64) for op, k, _v in ops if op in ("set", "update"))
+
+
+def _valid_payloads():
+    toks = list(range(100, 164))
+    hs = [ehash(2, toks[: (i + 1) * 2]) for i in range(32)]
+    return [encode_batch(b) for b in _stream()] + [
+        encode_batch(KVEventBatch(1.5, [BlockStored(hs[:2], None, toks[:4], 2, None, "GPU", None, group_idx=0,
+                                                    extra_keys=[1, "a", [2.5, None]], locality="x"),
+                                        BlockRemoved(hs[:1], None), AllBlocksCleared()], None)),
+    ]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(which=st.integers(0, 3), edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255),
+                                                          st.sampled_from(["set", "insert", "delete"])),
+                                                min_size=1, max_size=4), cut=st.none() | st.integers(0, 10_000))
+def test_mutated_payloads_are_read_as_the_python_decoder_reads_them(which, edits, cut):
+    """The C parser on corrupted payloads: never a crash; a DecodeError exactly where
+    ``decode_batch`` raises one, and otherwise the same resulting state."""
+    from kvevents import decode_batch
+
+    p = bytearray(_valid_payloads()[which])
+    for pos, byte, op in edits:
+        i = pos % (len(p) + 1)
+        if op == "set" and i < len(p):
+            p[i] = byte
+        elif op == "insert":
+            p[i:i] = bytes([byte])
+        elif op == "delete" and i < len(p):
+            del p[i]
+    if cut is not None:
+        p = p[: cut % (len(p) + 1)]
+    payload = bytes(p)
+    slow, fast = KVRouter(model="m", block_size=2), KVRouter(model="m", block_size=2)
+    try:
+        batch = decode_batch(payload)
+    except DecodeError:
+        with pytest.raises(DecodeError):
+            fast.apply_payload("p", payload)
+        return
+    try:
+        slow.apply("p", batch)
+    except Exception as exc:  # e.g. a value the router refuses: both must refuse it alike
+        with pytest.raises(type(exc)):
+            fast.apply_payload("p", payload)
+        return
+    fast.apply_payload("p", payload)
+    assert state(fast) == state(slow)
