@@ -7,12 +7,12 @@ is imported only when first created. An unknown name is a ConfigError listing th
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .errors import ConfigError
 from .publisher_base import EventPublisher, NullEventPublisher
+from .registry import LazyRegistry
 
 
 @dataclass(slots=True)
@@ -50,34 +50,25 @@ class KVEventsConfig:
 
 
 class EventPublisherFactory:
-    _registry: dict[str, tuple[str, str]] = {
+    _registry = LazyRegistry("publisher", {
         "zmq": ("kvevents.publisher", "ZmqEventPublisher"),
         "null": ("kvevents.publisher_base", "NullEventPublisher"),
-    }
+    })
 
     @classmethod
     def register(cls, name: str, module_path: str, class_name: str) -> None:
-        if name in cls._registry:
-            raise ConfigError(f"publisher {name!r} is already registered (as {cls._registry[name]})")
-        cls._registry[name] = (module_path, class_name)
+        cls._registry.register(name, module_path, class_name)
 
     @classmethod
     def known(cls) -> list[str]:
-        return sorted(cls._registry)
+        return cls._registry.names()
 
     @classmethod
     def create(cls, config: KVEventsConfig | None = None, data_parallel_rank: int = 0, **overrides: Any) -> EventPublisher:
         config = config or KVEventsConfig()
         if not config.enable_kv_cache_events:
             return NullEventPublisher(data_parallel_rank)
-        name = config.publisher
-        if name not in cls._registry:
-            raise ConfigError(f"unknown publisher {name!r}; known: {', '.join(cls.known())}")
-        module_path, class_name = cls._registry[name]
-        try:
-            publisher_cls = getattr(importlib.import_module(module_path), class_name)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"publisher {name!r} ({module_path}.{class_name}) cannot be loaded: {exc}") from exc
+        publisher_cls = cls._registry.get(config.publisher)
         kwargs = config.publisher_kwargs()
         kwargs.update(overrides)
         if publisher_cls is NullEventPublisher:
