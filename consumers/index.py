@@ -162,22 +162,11 @@ class BlockIndex:
 
     def add_chain(self, keys: list[int], bit: int, parent: int | None) -> None:
         """Set ``bit`` on ``keys`` (a chain: distinct) and link each key to its predecessor."""
-        masks = self.masks
-        pop = masks.pop
         parents = self.parents
-        setdefault = self.intern.setdefault
-        new = 0
-        prev = parent
-        for k in keys:
-            if prev is not None:
-                parents[k] = prev
-            prev = k
-            m = pop(k, 0)
-            if not m & bit:
-                new += 1
-                m |= bit
-            masks[k] = setdefault(m, m)
-        self._added(new, len(keys))
+        if keys and parent is not None:
+            parents[keys[0]] = parent
+        parents.update(zip(keys[1:], keys))
+        self._set(keys, bit)
 
     def add(self, keys: list[int], bit: int) -> None:
         """Set ``bit`` on ``keys`` (no parent links: an offload join); duplicates are fine."""

@@ -107,7 +107,7 @@ class IngestMixin:
         lget = lmap.get
         for ev in events:
             cls = type(ev)
-            if cls is BlockStored:
+            if cls is BlockStored or cls is BlockRemoved:
                 if ev.group_idx not in groups:
                     stats.ignored_group_events += 1
                     continue
@@ -115,10 +115,14 @@ class IngestMixin:
                 tier = tiers.get("GPU" if medium is None else medium)
                 if tier is None:
                     tier = self._tier(medium)
-                    if tier < 0:
-                        self._error("too_many_tiers", f"pod {ep.pod!r}: medium {medium!r} is one tier too "
-                                    f"many (max_tiers={self._cfg.max_tiers})", strict)
+                    if tier < 0:  # (a removal from a tier never indexed has nothing to remove)
+                        if cls is BlockStored:
+                            self._error("too_many_tiers", f"pod {ep.pod!r}: medium {medium!r} is one tier too "
+                                        f"many (max_tiers={self._cfg.max_tiers})", strict)
                         continue
+                if cls is BlockRemoved:
+                    self._remove(ep, ev.block_hashes, tier)
+                    continue
                 hashes = ev.block_hashes
                 toks = ev.token_ids
                 if toks:
@@ -175,16 +179,6 @@ class IngestMixin:
                         index.add(keys, 1 << (tier * index.cap + ep.slot))
                         continue
                 self._store_offload(ep, hashes, tier)
-            elif cls is BlockRemoved:
-                if ev.group_idx not in groups:
-                    stats.ignored_group_events += 1
-                    continue
-                medium = ev.medium
-                tier = tiers.get("GPU" if medium is None else medium)
-                if tier is None:
-                    tier = self._tier(medium)
-                if tier >= 0:
-                    self._remove(ep, ev.block_hashes, tier)
             elif cls is AllBlocksCleared:
                 stats.clears += 1
                 self._clear_endpoint(ep)
