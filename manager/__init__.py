@@ -9,21 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .base import (
-    BlockIO,
-    LoadStoreSpec,
-    LookupResult,
-    NumpyBlockIO,
-    OffloadingEvent,
-    OffloadingManager,
-    OffloadKey,
-    OffloadPolicy,
-    PrepareStoreOutput,
-    ReqContext,
-    RequestOffloadingContext,
-    make_offload_key,
-    split_offload_key,
-)
+from . import base as _base
+from .base import *  # noqa: F403  (the data model: base.__all__)
 
 #: public name -> module (relative to this package) that defines it, imported on first use.
 _LAZY = {
@@ -51,22 +38,7 @@ _LAZY = {
     "TorchTransferWorker": ".transfer",
 }
 
-__all__ = [
-    "BlockIO",
-    "LoadStoreSpec",
-    "LookupResult",
-    "NumpyBlockIO",
-    "OffloadKey",
-    "OffloadPolicy",
-    "OffloadingEvent",
-    "OffloadingManager",
-    "PrepareStoreOutput",
-    "ReqContext",
-    "RequestOffloadingContext",
-    "make_offload_key",
-    "split_offload_key",
-    *_LAZY,
-]
+__all__ = [*_base.__all__, *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
