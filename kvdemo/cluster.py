@@ -21,44 +21,25 @@ import sys
 __all__ = ["add_subcommand", "main"]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+def _checked(convert, ok, bad: str, out_of_range: str):
+    """An argparse type: ``convert(text)``, then ``ok(value)``; each failure names what was expected."""
+
+    def parse(text: str):
+        try:
+            v = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {bad}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"expected {out_of_range}, got {text!r}")
+        return v
+
+    return parse
 
 
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a TCP port number, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a TCP port number (0-65535), got {text!r}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction between 0 and 1, got {text!r}") from None
-    if not 0.0 <= v < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
-    return v
-
-
-def _duration(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return v
+_positive_int = _checked(int, lambda v: v > 0, "a positive integer", "a positive integer")
+_port = _checked(int, lambda v: 0 <= v <= 65535, "a TCP port number", "a TCP port number (0-65535)")
+_fraction = _checked(float, lambda v: 0.0 <= v < 1.0, "a fraction between 0 and 1", "a fraction in [0, 1)")
+_duration = _checked(float, lambda v: v > 0, "seconds", "a positive number of seconds")
 
 
 def add_subcommand(subparsers) -> None:
