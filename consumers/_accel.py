@@ -42,7 +42,7 @@ def _self_check(mod: ModuleType, chain_py: Callable) -> str | None:
     from .index import LearnedMap
     from .router_config import RouterStats
 
-    mod.bind_counters(RouterStats, LearnedMap)
+    mod.bind_counters(RouterStats, LearnedMap)  # (once per process: where apply() finds the counters)
     lmap = mod.LearnedTable()
     table = mod.MaskTable(bits=64)
     stats, learned = RouterStats(), LearnedMap(1 << 30)

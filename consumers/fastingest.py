@@ -23,12 +23,7 @@ from typing import TYPE_CHECKING
 
 from kvevents.codec import decode_batch
 
-from .index import LearnedMap
 from .keys import _FAST
-from .router_config import RouterStats
-
-if _FAST is not None:
-    _FAST.bind_counters(RouterStats, LearnedMap)  # where apply() finds the counters it updates
 
 if TYPE_CHECKING:  # pragma: no cover
     from .ingest import Endpoint
@@ -44,7 +39,7 @@ class FastIngestMixin:
         decode_batch(payload))`` (a malformed payload raises :class:`kvevents.DecodeError`).
 
         Where the C extension is in use, each router binds this name to its C version
-        (``_bind_fast``), which does what the body below does without a Python frame."""
+        (``_bind_fast``); this method is the Python path."""
         self._apply_payload_py(pod, payload, model, strict)
 
     def _bind_fast(self) -> None:
@@ -54,18 +49,9 @@ class FastIngestMixin:
                 _FAST.apply_payload, self, self._fast_ctxs, self._pending_by_hash, self._pending)  # type: ignore[attr-defined]
 
     def _apply_payload_py(self, pod: str, payload: bytes, model: str | None, strict: bool) -> None:
-        fast = _FAST
-        if fast is None or self._pending_by_hash or self._cfg.groups != _DEFAULT_GROUPS:  # type: ignore[attr-defined]
-            self.apply(pod, decode_batch(payload), model=model, strict=strict)  # type: ignore[attr-defined]
-            return
-        contexts = self._fast_ctxs.get(pod)
-        if contexts is None:
-            contexts = self._fast_ctxs[pod] = {}
-        out = fast.apply(payload, 0, contexts, self._py_touch, self._fast_ctx, pod, model)
-        if out is not None:  # (the common case, None: applied and counted in C, nothing else to do)
-            self._fast_rest(pod, payload, model, strict, contexts, out)
-        if self._pending:  # type: ignore[attr-defined]
-            self._expire_pending()  # type: ignore[attr-defined]
+        """The Python path: no C extension, kv-cache groups other than the default, or offload
+        events held for their GPU events (the C version hands those batches here)."""
+        self.apply(pod, decode_batch(payload), model=model, strict=strict)  # type: ignore[attr-defined]
 
     def _fast_rest(self, pod: str, payload: bytes, model: str | None, strict: bool, contexts: dict,
                    out: tuple) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from .keys import _FAST, KEY_MASK, chain_keys, model_seed
+from .keys import chain_keys, model_seed
 from .router_config import RouterInputError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -141,15 +141,7 @@ class IngestMixin:
                                 if None in keys or (odd[0] and not all(type(k) is int for k in keys)):
                                     keys = None
                             if keys is None:
-                                if _FAST is not None:
-                                    keys = chain_keys(toks, pv, C)
-                                else:
-                                    keys = []
-                                    append = keys.append
-                                    k = pv
-                                    for c in map(hash, zip(*[iter(toks)] * C)):
-                                        k = hash((k, c)) & KEY_MASK
-                                        append(k)
+                                keys = chain_keys(toks, pv, C)
                                 lmap.update(zip(hashes, keys))
                             if ep.block_size != C:
                                 ep.block_size = C

@@ -201,8 +201,9 @@ def test_legacy_encoding_and_bytes_hashes_go_through_python_with_the_same_result
 
 
 def test_pure_python_fallback_gives_the_same_state(monkeypatch):
+    monkeypatch.setattr(fastingest, "_FAST", None)  # before the routers exist: no C version bound
     slow, fast = KVRouter(model="m", block_size=2), KVRouter(model="m", block_size=2)
-    monkeypatch.setattr(fastingest, "_FAST", None)
+    assert not isinstance(fast.apply_payload, functools.partial)
     for b in _stream():
         slow.apply("p", b)
         fast.apply_payload("p", encode_batch(b))
