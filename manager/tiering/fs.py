@@ -19,7 +19,10 @@ stored event.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
+import secrets
 import struct
 import threading
 import zlib
@@ -39,6 +42,12 @@ __all__ = ["FileSystemSecondaryTierManager"]
 _MAGIC = b"KVB1"
 _HEADER = struct.Struct(">4sQII")
 _SUFFIX = ".blk"
+_FANOUT = re.compile(r"[0-9a-f]{2}")
+_BLOCK_NAME = re.compile(r"([0-9a-f]{2,})\.blk")
+#: ``<block name>.<owner token>.<thread>.tmp``: the token names the tier instance writing it
+#: (older versions wrote ``<block name>.<thread>.tmp``: no owner, always stale at start-up).
+_TMP_NAME = re.compile(r"[0-9a-f]{2,}\.blk\.(?:([0-9a-f]{16})\.)?\d+\.tmp")
+_OWNERS = ".owners"
 
 
 class FileSystemSecondaryTierManager(SecondaryTierManager):
@@ -65,7 +74,8 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                 f"fs tier: offload_policy must be one of {[p.value for p in OffloadPolicy]}, got {offload_policy!r}"
             ) from None
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.root.is_dir():  # (an existing read-only root is fine: loads still work)
+            self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_blocks = capacity_blocks
         self.fsync = fsync
         self._lock = threading.Condition()
@@ -84,9 +94,50 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self.corrupt_files = 0
         self.evictions = 0
         self.capacity_overflows = 0  # stores committed while nothing was evictable
+        self.foreign_files = 0  # entries under root the start-up scan left alone (not ours)
+        self.scan_errors = 0  # entries the start-up scan could not read or delete
+        self.payload_mismatches = 0  # files whose payload is not one block of block_io
+        self._token = secrets.token_hex(8)
+        self._owner_fd = self._take_ownership()
         self._recover()
 
     # -- files -------------------------------------------------------------------
+
+    def _take_ownership(self) -> int | None:
+        """Hold an exclusive ``flock`` on ``<root>/.owners/<token>.lock`` for the tier's
+        lifetime: a temp file whose owner still holds its lock is being written (by another
+        tier on the same root, in this process or another) and is left alone by the scan."""
+        owners = self.root / _OWNERS
+        try:
+            owners.mkdir(exist_ok=True)
+            fd = os.open(owners / f"{self._token}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        except OSError:
+            return None  # a read-only root: nothing will be written, so no temp files of ours
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh random name: never contended
+        return fd
+
+    def _owner_alive(self, token: str) -> bool:
+        """Whether the tier that wrote temp files named ``token`` is still running."""
+        if token == self._token:
+            return True
+        lock = self.root / _OWNERS / f"{token}.lock"
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # cannot tell: keep its files
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True  # held: the owner runs
+        finally:
+            os.close(fd)  # (closing drops the lock we may have taken)
+        try:
+            lock.unlink()  # a dead owner's lock file
+        except OSError:
+            pass
+        return False
 
     def _path(self, key: OffloadKey) -> Path:
         h = key.hex()
@@ -112,26 +163,35 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
             return None
         return stored_key, payload
 
-    def _header_ok(self, path: Path) -> OffloadKey | None:
-        """Start-up check: header, key and length (payload checksum is verified on load)."""
+    def _header_ok(self, path: str) -> tuple[str, OffloadKey | None, float]:
+        """Start-up check of a block file (the payload checksum is verified on load):
+        ``("ours", key, mtime)``, ``("torn", …)`` (our magic, wrong length or key),
+        ``("foreign", …)`` (not our magic) or ``("error", …)`` (unreadable)."""
         try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                head = f.read(_HEADER.size)
-                if len(head) < _HEADER.size:
-                    return None
-                magic, length, _crc, klen = _HEADER.unpack(head)
-                if magic != _MAGIC or size != _HEADER.size + klen + length:
-                    return None
-                key = f.read(klen)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
-            return None
-        return key if path.name == key.hex() + _SUFFIX else None
+            return "error", None, 0.0
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, _HEADER.size + 256, 0)
+        except OSError:
+            return "error", None, 0.0
+        finally:
+            os.close(fd)
+        if len(head) < 4 or head[:4] != _MAGIC:
+            return "foreign", None, 0.0
+        if len(head) < _HEADER.size:
+            return "torn", None, 0.0
+        _magic, length, _crc, klen = _HEADER.unpack_from(head)
+        key = head[_HEADER.size : _HEADER.size + klen]
+        if st.st_size != _HEADER.size + klen + length or len(key) != klen or os.path.basename(path) != key.hex() + _SUFFIX:
+            return "torn", None, 0.0
+        return "ours", key, st.st_mtime
 
     def _write_file(self, key: OffloadKey, payload: bytes | memoryview) -> None:
         path = self._path(key)
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{threading.get_ident()}.tmp")
+        tmp = path.with_name(f"{path.name}.{self._token}.{threading.get_ident()}.tmp")
         header = _HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload), len(key))
         try:
             with open(tmp, "wb") as f:
@@ -156,28 +216,64 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
             pass
 
     def _recover(self) -> None:
+        """Find this root's blocks again. Only regular files in two-hex-digit fan-out
+        directories, named like ours, are considered; symlinks are never followed, other
+        entries are left alone (``foreign_files``), unreadable ones counted (``scan_errors``).
+        A temp file is deleted only when the tier that wrote it is gone; a block file with our
+        magic but a wrong length is torn and deleted; one without our magic is not ours."""
         found: list[tuple[float, OffloadKey]] = []
-        for sub in self.root.iterdir():
-            if not sub.is_dir():
+        try:
+            subs = [e for e in os.scandir(self.root) if e.name != _OWNERS]
+        except OSError:
+            self.scan_errors += 1
+            subs = []
+        for sub in subs:
+            try:
+                if not (_FANOUT.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
+                    self.foreign_files += 1
+                    continue
+                entries = list(os.scandir(sub.path))
+            except OSError:
+                self.scan_errors += 1
                 continue
-            for path in sub.iterdir():
-                if path.name.endswith(".tmp"):
-                    path.unlink(missing_ok=True)  # an interrupted write
+            for entry in entries:
+                try:
+                    regular = entry.is_file(follow_symlinks=False)
+                except OSError:
+                    regular = False
+                tmp = _TMP_NAME.fullmatch(entry.name)
+                if tmp is not None and regular:
+                    if tmp.group(1) is None or not self._owner_alive(tmp.group(1)):
+                        self._unlink_counted(entry.path)  # an interrupted write of a dead tier
                     continue
-                if not path.name.endswith(_SUFFIX):
+                m = _BLOCK_NAME.fullmatch(entry.name)
+                if m is None or not regular or not m.group(1).startswith(sub.name):
+                    self.foreign_files += 1
                     continue
-                key = self._header_ok(path)
-                if key is None:
+                state, key, mtime = self._header_ok(entry.path)
+                if state == "ours":
+                    found.append((mtime, key))  # type: ignore[arg-type]
+                elif state == "torn":
                     self.corrupt_files += 1
-                    path.unlink(missing_ok=True)
-                    continue
-                found.append((path.stat().st_mtime, key))
+                    self._unlink_counted(entry.path)
+                elif state == "foreign":
+                    self.foreign_files += 1
+                else:
+                    self.scan_errors += 1
         found.sort()
         for _, key in found:
             self._index[key] = None
         # Announce what was found, then drop what no longer fits (emits removals).
         self._emit(list(self._index), removed=False)
         self._evict_over_capacity()
+
+    def _unlink_counted(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            self.scan_errors += 1
 
     # -- role --------------------------------------------------------------------
 
@@ -277,6 +373,11 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
             io = self.block_io
             for key, block_id in zip(job.keys, job.block_ids.tolist()):
                 got = self._read_file(self._path(key), key)
+                if got is not None and io is not None and len(got[1]) != io.block_nbytes:
+                    # e.g. written by a tier without block_io (empty payload): loading it would
+                    # leave the slot as it was and report a hit with the wrong bytes
+                    self.payload_mismatches += 1
+                    got = None
                 if got is None:
                     ok = False
                     with self._lock:
@@ -286,7 +387,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                             self._emit([key], removed=True)
                             self._delete_file(key)
                     break
-                if io is not None and got[1]:
+                if io is not None:
                     io.write_block(block_id, got[1])
                 self.loads += 1
         except Exception:
@@ -322,3 +423,10 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                 return
             self._closed = True
         self._pool.shutdown(wait=True)
+        if self._owner_fd is not None:
+            try:
+                os.unlink(self.root / _OWNERS / f"{self._token}.lock")
+            except OSError:
+                pass
+            os.close(self._owner_fd)
+            self._owner_fd = None
