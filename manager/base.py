@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from kvevents.errors import KVEventsError
+
 __all__ = [
     "BlockIO",
     "LoadStoreSpec",
@@ -49,7 +51,10 @@ __all__ = [
     "OffloadingManager",
     "PrepareStoreOutput",
     "ReqContext",
+    "RequestLifecycleError",
     "RequestOffloadingContext",
+    "get_offload_block_hash",
+    "get_offload_group_idx",
     "make_offload_key",
     "split_offload_key",
 ]
@@ -79,6 +84,20 @@ def split_offload_key(key: OffloadKey) -> tuple[bytes, int]:
     return key[:-4], _GROUP.unpack_from(key, len(key) - 4)[0]
 
 
+def get_offload_block_hash(key: OffloadKey) -> bytes:
+    """The block hash of ``key`` (vLLM's name; ``split_offload_key(key)[0]``)."""
+    return split_offload_key(key)[0]
+
+
+def get_offload_group_idx(key: OffloadKey) -> int:
+    """The KV-cache group index of ``key`` (vLLM's name; ``split_offload_key(key)[1]``)."""
+    return split_offload_key(key)[1]
+
+
+class RequestLifecycleError(KVEventsError, ValueError):
+    """A request finished twice, or finished without being announced (strict mode only)."""
+
+
 class LookupResult(enum.Enum):
     HIT = "hit"
     MISS = "miss"
@@ -89,6 +108,8 @@ class LookupResult(enum.Enum):
 class OffloadPolicy(enum.Enum):
     #: offload only newly computed blocks; prefix hits are not stored again (default).
     BLOCK_LEVEL = "block_level"
+    #: vLLM's later name for BLOCK_LEVEL (an alias: the same member)
+    CHUNK_LEVEL = "block_level"
     #: offload every block of the request, prefix hits included (tiers needing whole contexts).
     REQUEST_LEVEL = "request_level"
 
@@ -151,42 +172,43 @@ class OffloadingManager(ABC):
     medium: str = "CPU"
 
     @abstractmethod
-    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """Whether ``key`` can be loaded now (HIT), not at all (MISS), or later (RETRY)."""
 
     @abstractmethod
-    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
+    def prepare_load(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         """Pin ``keys`` (all must be HITs) until :meth:`complete_load`; where to read them."""
 
     @abstractmethod
-    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+    def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
         """Mark ``keys`` recently used (unknown keys are ignored)."""
 
     @abstractmethod
-    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+    def complete_load(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
         """Unpin keys pinned by :meth:`prepare_load`."""
 
     @abstractmethod
-    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Reserve room for the keys not already present, all or nothing; None: cannot now."""
 
     @abstractmethod
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+    def complete_store(self, keys: Sequence[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         """Finish a store: on success the keys become loadable; on failure they are freed."""
 
     @abstractmethod
-    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Called once per request before any other call for it."""
 
-    def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027 - default no-op
+    def on_request_finished(self, req_context: ReqContext) -> None:  # noqa: B027 - default no-op
         """Called once when the request is done (after its jobs completed or were flushed)."""
 
     def take_events(self) -> list[OffloadingEvent]:
         """Pure drain of the events accumulated so far; changes no job or cache state."""
         return []
 
-    def on_schedule_end(self) -> None:  # noqa: B027 - default no-op
-        """Once at the end of every scheduler step: the one home of step-lifecycle work."""
+    def on_schedule_end(self, context: Any = None) -> None:  # noqa: B027 - default no-op
+        """Once at the end of every scheduler step: the one home of step-lifecycle work.
+        ``context``: accepted for vLLM's signature (its ScheduleEndContext); unused here."""
 
     def has_pending_work(self) -> bool:
         """Whether jobs are in flight or queued (a driver keeps stepping while True)."""

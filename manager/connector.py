@@ -44,6 +44,7 @@ from .base import (
     OffloadKey,
     OffloadPolicy,
     ReqContext,
+    RequestLifecycleError,
     make_offload_key,
     split_offload_key,
 )
@@ -60,6 +61,7 @@ from .connector_types import (
     TransferJob,
 )
 from .hashing import wire_hash
+from .lifecycle import RequestLifecycle
 from .transfer_base import expand_block_ids
 
 __all__ = [
@@ -90,6 +92,7 @@ class _ReqState:
     pending_hit: tuple[int, int, int] | None = None
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
+    finish_called: bool = False  # request_finished was called (a second call is a repeat)
 
 
 def offload_events_to_kv_events(events: Iterable[Any], *, int_hashes: bool = True) -> list[KVEvent]:
@@ -136,6 +139,7 @@ class OffloadingConnectorScheduler:
         *,
         group_idx: int = 0,
         int_hashes: bool = True,
+        strict: bool = False,
     ) -> None:
         if gpu_block_size < 1 or offloaded_block_size < 1:
             raise ConnectorError(
@@ -152,6 +156,9 @@ class OffloadingConnectorScheduler:
         self.blocks_per_chunk = offloaded_block_size // gpu_block_size
         self.group_idx = group_idx
         self.int_hashes = int_hashes
+        #: raise RequestLifecycleError on a request finished twice or never announced (else count it)
+        self.strict = strict
+        self._lifecycle = RequestLifecycle("OffloadingConnectorScheduler")
         self._requests: dict[str, _ReqState] = {}
         self._jobs: dict[int, TransferJob] = {}
         self._pending_loads: list[TransferJob] = []
@@ -218,11 +225,16 @@ class OffloadingConnectorScheduler:
             "unknown_job_results": self.unknown_job_results,
             "unknown_requests": self.unknown_requests,
             "manager_errors": self.manager_errors,
+            "finish_repeats": self._lifecycle.finish_repeats,
+            "finish_unknown": self._lifecycle.finish_unknown,
         }
 
     # --- request lifecycle ------------------------------------------------------------------
     def on_new_request(self, request: EngineRequest) -> OffloadPolicy:
-        """Build the request's ReqContext (once) and keep the policy the manager asks for."""
+        """The scheduler added ``request`` (call it once then, as vLLM's scheduler does): build
+        its ReqContext and keep the policy the manager asks for. The per-request calls below
+        call it too, so a driver that skips it still works; a second call only refreshes the
+        request object."""
         st = self._requests.get(request.req_id)
         if st is not None:
             st.request = request
@@ -230,6 +242,7 @@ class OffloadingConnectorScheduler:
         ctx = ReqContext(request.req_id, request.kv_transfer_params)
         policy = self.manager.on_new_request(ctx).policy
         self._requests[request.req_id] = _ReqState(request, ctx, policy)
+        self._lifecycle.started(request.req_id)
         self.requests_seen += 1
         return policy
 
@@ -308,13 +321,23 @@ class OffloadingConnectorScheduler:
         self.blocks_loaded += len(keys)
         self.hit_tokens += num_external_tokens
 
-    def request_finished(self, req_id: str) -> bool:
-        """The engine is done with a request. True: store jobs still read its GPU blocks, keep
-        them until ``update_connector_output`` reports the request released."""
+    def request_finished(self, request: str | EngineRequest, block_ids: Any = None) -> bool:
+        """The engine is done with a request (its id, or the request object as vLLM passes it;
+        ``block_ids`` is accepted for vLLM's signature and unused: the connector tracks them).
+        True: store jobs still read its GPU blocks, keep them until ``update_connector_output``
+        reports the request released. A request finished twice, or one never announced, is
+        counted (``finish_repeats`` / ``finish_unknown``) and ignored (an error when ``strict``)."""
+        req_id = request if isinstance(request, str) else request.req_id
         st = self._requests.get(req_id)
         if st is None:
+            self._lifecycle.finished(req_id, self.strict)  # not live: counts, or raises when strict
             return False
-        st.finished = True
+        if st.finish_called:
+            self._lifecycle.finish_repeats += 1
+            if self.strict:
+                raise RequestLifecycleError(f"OffloadingConnectorScheduler: request {req_id!r} finished twice")
+            return bool(st.jobs)
+        st.finished = st.finish_called = True
         if st.jobs:
             return True
         self._release(st, None)
@@ -439,6 +462,7 @@ class OffloadingConnectorScheduler:
 
     def _release(self, st: _ReqState, update: ConnectorUpdate | None) -> None:
         req_id = st.ctx.req_id
+        self._lifecycle.finished(req_id)
         try:
             self.manager.on_request_finished(st.ctx)
         finally:

@@ -98,17 +98,17 @@ class CPUOffloadingManager(OffloadingManager):
 
     # -- OffloadingManager ------------------------------------------------------
 
-    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
-        self._req_keys[ctx.req_id] = []
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._req_keys[req_context.req_id] = []
         return RequestOffloadingContext()
 
-    def on_request_finished(self, ctx: ReqContext) -> None:
-        keys = self._req_keys.pop(ctx.req_id, None)
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        keys = self._req_keys.pop(req_context.req_id, None)
         if keys:
             keys.reverse()
             self.policy.refresh(keys)
 
-    def lookup(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
         self.lookups += 1
         b = self._blocks.get(key)
         if b is None:
@@ -118,7 +118,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.hits += 1
         return _HIT
 
-    def lookup_prefix(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> int:
+    def lookup_prefix(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> int:
         """How many leading ``keys`` are HITs (stops at the first non-HIT)."""
         blocks, ref = self._blocks, self._ref
         n = 0
@@ -131,7 +131,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.hits += n
         return n
 
-    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> LoadStoreSpec:
+    def prepare_load(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
         blocks, ref = self._blocks, self._ref
         ids = []
         append = ids.append
@@ -147,14 +147,14 @@ class CPUOffloadingManager(OffloadingManager):
         self.loads += len(ids)
         return LoadStoreSpec(self.medium, np.array(ids, dtype=_int64))
 
-    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
+    def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:
         self.policy.touch(keys, self._ref)
-        if ctx is not None:
-            seen = self._req_keys.get(ctx.req_id)
+        if req_context is not None:
+            seen = self._req_keys.get(req_context.req_id)
             if seen is not None:
                 seen.extend(keys)
 
-    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
+    def complete_load(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:
         blocks, ref = self._blocks, self._ref
         for key in keys:
             b = blocks.get(key)
@@ -162,9 +162,9 @@ class CPUOffloadingManager(OffloadingManager):
                 raise KeyError(f"complete_load: key {key.hex()[:24]}... is not pinned by a load")
             ref[b] -= 1
 
-    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> PrepareStoreOutput | None:
-        if ctx is not None:
-            seen = self._req_keys.get(ctx.req_id)
+    def prepare_store(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
+        if req_context is not None:
+            seen = self._req_keys.get(req_context.req_id)
             if seen is not None:
                 seen.extend(keys)
         blocks = self._blocks
@@ -202,7 +202,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.stores_prepared += n
         return PrepareStoreOutput(to_store, LoadStoreSpec(self.medium, np.array(ids, dtype=_int64)), evicted_keys)
 
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None, success: bool = True) -> None:
+    def complete_store(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None, success: bool = True) -> None:
         blocks, ref = self._blocks, self._ref
         if success:
             stored = []

@@ -178,6 +178,7 @@ class SimEngine:
             req_id, hash_request_blocks(tokens, self.block_size, lora_name), len(tokens), lora_name=lora_name
         )
         r = _SimRequest(eng, tokens, max(1, max_new_tokens), lora_id, zlib.crc32(req_id.encode()))
+        self.connector.on_new_request(eng)  # once, when the scheduler adds it (as vLLM's does)
         self._requests[req_id] = r
         self._waiting.append(r)
         self.requests_added += 1

@@ -72,7 +72,7 @@ class SecondaryTierManager(ABC):
     # -- the role ---------------------------------------------------------------
 
     @abstractmethod
-    def lookup(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
         """HIT when ``key`` is stored and can be loaded, MISS otherwise (RETRY: ask later)."""
 
     @abstractmethod
@@ -89,16 +89,16 @@ class SecondaryTierManager(ABC):
         """Results of jobs finished since the last call (each reported once)."""
 
     @abstractmethod
-    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Which offload policy this tier wants for the request."""
 
-    def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027
+    def on_request_finished(self, req_context: ReqContext) -> None:  # noqa: B027
         """The request is done and its stores were submitted to this tier."""
 
     def on_schedule_end(self) -> None:  # noqa: B027
         """End of a scheduler step."""
 
-    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:  # noqa: B027
+    def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:  # noqa: B027
         """The keys were used."""
 
     def has_pending_work(self) -> bool:

@@ -29,7 +29,7 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         self._finished: list[JobResult] = []
         self.finished_requests: list[str] = []  # what on_request_finished saw, in order
 
-    def lookup(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
         return LookupResult.HIT if key in self.store else LookupResult.MISS
 
     def submit_store(self, job: JobMetadata) -> None:
@@ -58,12 +58,12 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         out, self._finished = self._finished, []
         return out
 
-    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         policy = OffloadPolicy.REQUEST_LEVEL if self.request_level else OffloadPolicy.BLOCK_LEVEL
         return RequestOffloadingContext(policy)
 
-    def on_request_finished(self, ctx: ReqContext) -> None:
-        self.finished_requests.append(ctx.req_id)
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.finished_requests.append(req_context.req_id)
 
     def has_pending_work(self) -> bool:
         return bool(self._finished)
@@ -77,3 +77,7 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
 
     def cached_keys(self) -> set[OffloadKey]:
         return set(self.store)
+
+    def get_num_blocks(self) -> int:
+        """How many blocks the tier holds (vLLM's example tier has this method)."""
+        return len(self.store)

@@ -27,16 +27,28 @@ class SecondaryTierFactory:
         return cls._registry.names()
 
     @classmethod
-    def create_secondary_tier(cls, config: dict[str, Any], **extra: Any) -> SecondaryTierManager:
-        """A tier from ``config``: ``config["type"]`` picks the class, the other entries (and
-        ``extra``, e.g. ``block_io=``) are its keyword arguments."""
-        if not isinstance(config, dict):
-            raise ConfigError(f"secondary tier config must be a dict, got {type(config).__name__}")
-        if "type" not in config:
+    def get_tier_class(cls, tier_type: str | dict[str, Any]) -> type[SecondaryTierManager]:
+        """The class registered for ``tier_type`` (a type name, or a tier config with a
+        ``"type"``), imported now; :class:`~kvevents.errors.ConfigError` for an unknown type."""
+        if isinstance(tier_type, dict):
+            tier_type = cls._type_of(tier_type)
+        return cls._registry.get(tier_type)
+
+    @classmethod
+    def _type_of(cls, tier_config: Any) -> str:
+        if not isinstance(tier_config, dict):
+            raise ConfigError(f"secondary tier config must be a dict, got {type(tier_config).__name__}")
+        if "type" not in tier_config:
             raise ConfigError(f"secondary tier config has no 'type'; {cls._registry.known()}")
-        tier_type = config["type"]
+        return tier_config["type"]
+
+    @classmethod
+    def create_secondary_tier(cls, tier_config: dict[str, Any], **extra: Any) -> SecondaryTierManager:
+        """A tier from ``tier_config``: ``tier_config["type"]`` picks the class, the other entries
+        (and ``extra``, e.g. ``block_io=``) are its keyword arguments."""
+        tier_type = cls._type_of(tier_config)
         tier_cls = cls._registry.get(tier_type)
-        kwargs = {k: v for k, v in config.items() if k != "type"}
+        kwargs = {k: v for k, v in tier_config.items() if k != "type"}
         kwargs.update(extra)
         try:
             return tier_cls(tier_type, **kwargs)

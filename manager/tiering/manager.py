@@ -39,6 +39,7 @@ from ..base import (
     ReqContext,
     RequestOffloadingContext,
 )
+from ..lifecycle import RequestLifecycle
 from .base import JobMetadata, SecondaryTierManager
 
 __all__ = ["TieringOffloadingManager"]
@@ -52,13 +53,13 @@ _RETRY = LookupResult.RETRY
 class _Job:
     tier: int
     keys: list[OffloadKey]
-    ctx: ReqContext | None
+    req_context: ReqContext | None
     is_promotion: bool
 
 
 @dataclass(slots=True)
 class _PromotionQueue:
-    ctx: ReqContext
+    req_context: ReqContext
     keys: list[OffloadKey] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
 
@@ -66,12 +67,20 @@ class _PromotionQueue:
 class TieringOffloadingManager(OffloadingManager):
     def __init__(
         self,
-        primary: OffloadingManager,
-        secondary_tiers: Sequence[SecondaryTierManager],
+        primary: OffloadingManager | None = None,
+        secondary_tiers: Sequence[SecondaryTierManager] | None = None,
         block_io: BlockIO | None = None,
+        *,
+        primary_tier: OffloadingManager | None = None,
+        strict: bool = False,
     ) -> None:
+        if (primary is None) == (primary_tier is None):
+            raise TypeError("TieringOffloadingManager needs exactly one of primary / primary_tier (the same thing)")
+        primary = primary if primary is not None else primary_tier
         self.primary = primary
-        self.tiers = list(secondary_tiers)
+        self.tiers = list(secondary_tiers or ())
+        #: raise RequestLifecycleError on a repeated or unknown on_request_finished (else count and ignore)
+        self.strict = strict
         self.medium = primary.medium
         if block_io is not None:
             for tier in self.tiers:
@@ -86,6 +95,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._req_tiers: dict[str, list[int]] = {}  # req_id -> its REQUEST_LEVEL tiers
         self._pending_stores: dict[str, set[OffloadKey]] = {}
         self._finishing: dict[str, ReqContext] = {}
+        self._lifecycle = RequestLifecycle("TieringOffloadingManager")
         self._processed_this_step = False
         # Counters.
         self.promotions_started = 0
@@ -97,24 +107,25 @@ class TieringOffloadingManager(OffloadingManager):
 
     # -- lookups and loads --------------------------------------------------------
 
-    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._process_finished_gated()
-        r = self.primary.lookup(key, ctx)
+        r = self.primary.lookup(key, req_context)
         if r is _HIT or r is _RETRY:
             return r
         if key in self._promoting:
             return _RETRY
         for i, tier in enumerate(self.tiers):
-            if tier.lookup(key, ctx) is _HIT:
-                out = self.primary.prepare_store([key], ctx)
+            if tier.lookup(key, req_context) is _HIT:
+                out = self.primary.prepare_store([key], req_context)
                 if out is None or not out.keys_to_store:
                     self.promotions_rejected += 1
                     return _MISS
-                qkey = (i, ctx.req_id)
+                qkey = (i, req_context.req_id)
                 queue = self._promo_queues.get(qkey)
                 if queue is None:
-                    queue = self._promo_queues[qkey] = _PromotionQueue(ctx)
-                    self._promo_reqs[ctx.req_id] = self._promo_reqs.get(ctx.req_id, 0) + 1
+                    queue = self._promo_queues[qkey] = _PromotionQueue(req_context)
+                    self._lifecycle.seen(req_context.req_id)
+                    self._promo_reqs[req_context.req_id] = self._promo_reqs.get(req_context.req_id, 0) + 1
                 queue.keys.append(key)
                 queue.block_ids.append(int(out.store_spec.block_ids[0]))
                 self._promoting[key] = i
@@ -122,62 +133,69 @@ class TieringOffloadingManager(OffloadingManager):
                 return _RETRY
         return _MISS
 
-    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
-        return self.primary.prepare_load(keys, ctx)
+    def prepare_load(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        return self.primary.prepare_load(keys, req_context)
 
-    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        self.primary.complete_load(keys, ctx)
+    def complete_load(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
+        self.primary.complete_load(keys, req_context)
 
-    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        self.primary.touch(keys, ctx)
+    def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
+        self.primary.touch(keys, req_context)
         for tier in self.tiers:
-            tier.touch(keys, ctx)
+            tier.touch(keys, req_context)
 
     # -- stores -------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         self._process_finished_gated()
-        out = self.primary.prepare_store(keys, ctx)
+        out = self.primary.prepare_store(keys, req_context)
         if out is None:
             return None
         if out.keys_to_store:
-            self._pending_stores.setdefault(ctx.req_id, set()).update(out.keys_to_store)
-        tiers = self._req_tiers.get(ctx.req_id)
+            pending = self._pending_stores.get(req_context.req_id)
+            if pending is None:
+                pending = self._pending_stores[req_context.req_id] = set()
+                self._lifecycle.seen(req_context.req_id)
+            pending.update(out.keys_to_store)
+        tiers = self._req_tiers.get(req_context.req_id)
         if tiers:
             new = set(out.keys_to_store)
             resident = [
-                k for k in keys if k not in new and k not in self._promoting and self.primary.lookup(k, ctx) is _HIT
+                k for k in keys
+                if k not in new and k not in self._promoting and self.primary.lookup(k, req_context) is _HIT
             ]
             if resident:
-                self._cascade(resident, ctx, tiers)
+                self._cascade(resident, req_context, tiers)
         return out
 
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
-        pending = self._pending_stores.get(ctx.req_id)
+    def complete_store(self, keys: Sequence[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        pending = self._pending_stores.get(req_context.req_id)
         mine = [k for k in keys if k in pending] if pending else []
-        self.primary.complete_store(keys, ctx, success)
+        self.primary.complete_store(keys, req_context, success)
         if pending is not None:
             pending.difference_update(mine)
         if success and mine:
-            self._cascade(mine, ctx, range(len(self.tiers)))
+            self._cascade(mine, req_context, range(len(self.tiers)))
         if pending is not None and not pending:
-            del self._pending_stores[ctx.req_id]
-            self._maybe_finish(ctx.req_id)
+            del self._pending_stores[req_context.req_id]
+            self._maybe_finish(req_context.req_id)
 
-    def _cascade(self, keys: Sequence[OffloadKey], ctx: ReqContext | None, tiers: Sequence[int] | range) -> None:
+    def _cascade(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext | None, tiers: Sequence[int] | range
+    ) -> None:
         """Store primary-resident ``keys`` into each tier in ``tiers`` that lacks them."""
         for i in tiers:
             tier = self.tiers[i]
             storing = self._tier_storing[i]
-            todo = [k for k in keys if k not in storing and tier.lookup(k, ctx) is not _HIT]
+            todo = [k for k in keys if k not in storing and tier.lookup(k, req_context) is not _HIT]
             if not todo:
                 continue
-            spec = self.primary.prepare_load(todo, ctx)  # pinned until the job's result
+            spec = self.primary.prepare_load(todo, req_context)  # pinned until the job's result
             storing.update(todo)
             job_id = next(self._job_ids)
-            self._jobs[job_id] = _Job(i, todo, ctx, False)
+            self._jobs[job_id] = _Job(i, todo, req_context, False)
             self.cascade_jobs += 1
-            tier.submit_store(JobMetadata(job_id, todo, spec.block_ids, False, ctx))
+            tier.submit_store(JobMetadata(job_id, todo, spec.block_ids, False, req_context))
 
     # -- step lifecycle -------------------------------------------------------------
 
@@ -196,16 +214,16 @@ class TieringOffloadingManager(OffloadingManager):
                 if job.is_promotion:
                     for key in job.keys:
                         self._promoting.pop(key, None)
-                    self.primary.complete_store(job.keys, job.ctx, res.success)  # type: ignore[arg-type]
+                    self.primary.complete_store(job.keys, job.req_context, res.success)  # type: ignore[arg-type]
                     if res.success:
                         others = [t for t in range(len(self.tiers)) if t != i]
                         if others:
-                            self._cascade(job.keys, job.ctx, others)
+                            self._cascade(job.keys, job.req_context, others)
                     else:
                         self.promotions_failed += 1
                 else:
                     self._tier_storing[i].difference_update(job.keys)
-                    self.primary.complete_load(job.keys, job.ctx)  # type: ignore[arg-type]
+                    self.primary.complete_load(job.keys, job.req_context)  # type: ignore[arg-type]
                     if not res.success:
                         self.cascade_failures += 1
 
@@ -213,13 +231,13 @@ class TieringOffloadingManager(OffloadingManager):
         queues, self._promo_queues = self._promo_queues, {}
         for (i, req_id), queue in queues.items():
             job_id = next(self._job_ids)
-            self._jobs[job_id] = _Job(i, queue.keys, queue.ctx, True)
+            self._jobs[job_id] = _Job(i, queue.keys, queue.req_context, True)
             self.tiers[i].submit_load(
-                JobMetadata(job_id, queue.keys, np.array(queue.block_ids, dtype=np.int64), True, queue.ctx)
+                JobMetadata(job_id, queue.keys, np.array(queue.block_ids, dtype=np.int64), True, queue.req_context)
             )
         self._promo_reqs.clear()
 
-    def on_schedule_end(self) -> None:
+    def on_schedule_end(self, context: object = None) -> None:
         self._process_finished_gated()
         self._flush_promotions()
         for req_id in list(self._finishing):
@@ -230,11 +248,14 @@ class TieringOffloadingManager(OffloadingManager):
 
     # -- requests -------------------------------------------------------------------
 
-    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
-        policy = self.primary.on_new_request(ctx).policy
-        tiers = [i for i, t in enumerate(self.tiers) if t.on_new_request(ctx).policy is OffloadPolicy.REQUEST_LEVEL]
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._lifecycle.started(req_context.req_id)
+        policy = self.primary.on_new_request(req_context).policy
+        tiers = [
+            i for i, t in enumerate(self.tiers) if t.on_new_request(req_context).policy is OffloadPolicy.REQUEST_LEVEL
+        ]
         if tiers:
-            self._req_tiers[ctx.req_id] = tiers
+            self._req_tiers[req_context.req_id] = tiers
             policy = OffloadPolicy.REQUEST_LEVEL
         return RequestOffloadingContext(policy)
 
@@ -242,18 +263,23 @@ class TieringOffloadingManager(OffloadingManager):
         """Indexes of the tiers that asked for REQUEST_LEVEL for ``req_id``."""
         return list(self._req_tiers.get(req_id, ()))
 
-    def on_request_finished(self, ctx: ReqContext) -> None:
-        self.primary.on_request_finished(ctx)
-        self._finishing[ctx.req_id] = ctx
-        self._maybe_finish(ctx.req_id)
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Once per request told to :meth:`on_new_request`; a repeat or an unknown id is counted
+        (``finish_repeats`` / ``finish_unknown`` in :meth:`stats`) and goes no further, or raises
+        :class:`~manager.base.RequestLifecycleError` when ``strict``."""
+        if not self._lifecycle.finished(req_context.req_id, self.strict):
+            return
+        self.primary.on_request_finished(req_context)
+        self._finishing[req_context.req_id] = req_context
+        self._maybe_finish(req_context.req_id)
 
     def _maybe_finish(self, req_id: str) -> None:
         if req_id not in self._finishing or self._pending_stores.get(req_id) or self._promo_reqs.get(req_id):
             return
-        ctx = self._finishing.pop(req_id)
+        req_context = self._finishing.pop(req_id)
         self._req_tiers.pop(req_id, None)
         for tier in self.tiers:
-            tier.on_request_finished(ctx)
+            tier.on_request_finished(req_context)
 
     # -- events and housekeeping ------------------------------------------------------
 
@@ -282,8 +308,25 @@ class TieringOffloadingManager(OffloadingManager):
             tier.shutdown()
         self.primary.shutdown()
 
+    # vLLM's names for the two parts (kept: ours are used throughout)
+    @property
+    def primary_tier(self) -> OffloadingManager:
+        """The primary manager (vLLM's name for :attr:`primary`)."""
+        return self.primary
+
+    @property
+    def secondary_tiers(self) -> list[SecondaryTierManager]:
+        """The secondary tiers in lookup order (vLLM's name for :attr:`tiers`)."""
+        return self.tiers
+
+    @property
+    def num_blocks(self) -> int | None:
+        """The primary's block count (the host buffer's size in offloaded blocks), if it has one."""
+        return self.primary.num_blocks
+
     def stats(self) -> dict[str, int]:
         return {
+            **self._lifecycle.stats(),
             "jobs_in_flight": len(self._jobs),
             "promotions_started": self.promotions_started,
             "promotions_failed": self.promotions_failed,
