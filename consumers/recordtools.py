@@ -22,18 +22,11 @@ from kvevents.delivery import Delivery, DeliveryKind
 from kvevents.events import KVEventBatch
 from kvevents.recording import Record, RecordingReader, capture_records
 from kvevents.recordstream import DeliveryStream
+from kvevents.topic import topic_pod
 
 __all__ = ["Recording", "SeqHealer", "as_deliveries", "topic_pod", "pod_of"]
 
 BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
-
-
-def topic_pod(topic: str) -> str | None:
-    """``"kv@pod-a@model"`` -> ``"pod-a"``; None for a topic without that shape."""
-    parts = topic.split("@")
-    if len(parts) >= 3 and parts[0] == "kv" and parts[1]:
-        return parts[1]
-    return None
 
 
 def pod_of(d: Delivery) -> str:

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 
 from kvevents.errors import DecodeError
 from kvevents.events import KVEventBatch
+from kvevents.topic import parse_topic
 
 from .fastingest import FastIngestMixin
 from .index import LearnedMap, make_index
@@ -38,13 +39,8 @@ __all__ = ["KVRouter", "pod_from_topic"]
 _BUILTIN_TIERS = ("GPU", "CPU", "STORAGE")
 
 
-def pod_from_topic(topic: str) -> tuple[str | None, str | None]:
-    """``kv@<pod>@<model>`` -> ``(pod, model)``; ``(None, None)`` for any other topic."""
-    if topic.startswith("kv@"):
-        parts = topic.split("@", 2)
-        if len(parts) == 3 and parts[1]:
-            return parts[1], parts[2] or None
-    return None, None
+#: ``kv@<pod>@<model>`` -> ``(pod, model)``: the topic format lives in kvevents.topic
+pod_from_topic = parse_topic
 
 
 class KVRouter(FastIngestMixin, IngestMixin):

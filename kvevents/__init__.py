@@ -3,10 +3,9 @@
 from .codec import BatchDecoder, BatchEncoder, decode_batch, encode_batch, peek_ts
 from .config import EventPublisherFactory, KVEventsConfig
 from .delivery import Delivery, DeliveryKind, HealthState, PublisherHealth
-from .endpoints import offset_endpoint
-from .publisher import ZmqEventPublisher
 from .publisher_base import EventPublisher, NullEventPublisher, ShutdownReport
-from .subscriber import PublisherSpec, Subscriber
+from .topic import make_topic, parse_topic
+from .transport.zmq import PublisherSpec, Subscriber, ZmqEventPublisher, offset_endpoint
 from .errors import ConfigError, DecodeError, EndpointError, KVEventsError
 from .events import (
     MEDIUM_CPU,
@@ -37,6 +36,8 @@ __all__ = [
     "Subscriber",
     "ZmqEventPublisher",
     "offset_endpoint",
+    "make_topic",
+    "parse_topic",
     "AllBlocksCleared",
     "BatchDecoder",
     "BatchEncoder",

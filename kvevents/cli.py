@@ -66,7 +66,7 @@ def health_line(sub) -> str:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from .subscriber import PublisherSpec, Subscriber
+    from .transport.zmq import PublisherSpec, Subscriber
 
     replays = args.replay or []
     if len(replays) > len(args.endpoints):

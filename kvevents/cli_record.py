@@ -159,7 +159,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     meta = {"source": "kvevents record", "endpoints": endpoints, "replay_endpoints": replays,
             "topic": args.topic, "backfill": bool(args.backfill)}
     # Validate the endpoints before creating the output file.
-    from .endpoints import validate_endpoint
+    from .transport.zmq.endpoints import validate_endpoint
     for ep in endpoints:
         _check_connectable(validate_endpoint(ep))
     for ep in replays:
@@ -187,7 +187,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 @_guarded("replay")
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .endpoints import validate_endpoint
+    from .transport.zmq.endpoints import validate_endpoint
     from .recorder import recording_publishers, replay_recording
 
     if args.speed < 0:

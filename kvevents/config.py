@@ -51,7 +51,7 @@ class KVEventsConfig:
 
 class EventPublisherFactory:
     _registry = LazyRegistry("publisher", {
-        "zmq": ("kvevents.publisher", "ZmqEventPublisher"),
+        "zmq": ("kvevents.transport.zmq.publisher", "ZmqEventPublisher"),
         "null": ("kvevents.publisher_base", "NullEventPublisher"),
     })
 

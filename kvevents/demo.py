@@ -16,8 +16,7 @@ import time
 
 from .delivery import DeliveryKind
 from .events import BlockRemoved, BlockStored, KVEventBatch
-from .publisher import ZmqEventPublisher
-from .subscriber import PublisherSpec, Subscriber
+from .transport.zmq import PublisherSpec, Subscriber, ZmqEventPublisher
 
 ENDPOINT = "inproc://kvevents-demo"
 REPLAY_ENDPOINT = "inproc://kvevents-demo-replay"

@@ -20,7 +20,8 @@ from typing import Callable, Sequence
 
 import zmq
 
-from .endpoints import validate_endpoint
+from .transport.zmq.endpoints import validate_endpoint
+from .transport.zmq.frames import is_end_marker, is_replay_answer, replay_request
 from .errors import EndpointError
 from .recording import RecordingReader, RecordingWriter
 from .recordstream import DeliveryStream
@@ -119,7 +120,7 @@ class Recorder:
         if src.outstanding is not None:
             src.want = start if src.want is None else min(src.want, start)
             return
-        self._dealer_of[src.endpoint].send_multipart([b"", start.to_bytes(8, "big")])
+        self._dealer_of[src.endpoint].send_multipart(replay_request(start))
         src.outstanding = now
         src.asked = start
         src.replay_requests += 1
@@ -146,10 +147,10 @@ class Recorder:
 
     def _on_replay(self, src: SourceProgress, frames: list[bytes], now: float) -> None:
         src.replay += 1
-        if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
+        if not is_replay_answer(frames):
             src.malformed += 1
             return
-        if frames[1] == b"" and frames[2] == b"\xff" * 8:  # end marker
+        if frames[1] == b"" and is_end_marker(frames):
             src.outstanding = None
             if src.want is not None:
                 start, src.want = src.want, None
@@ -266,7 +267,7 @@ def replay_recording(path, targets: dict[str, tuple[str, str | None]], *, speed:
     batch has gone out (and sits in the replay ring), ``on_published(report)`` is called and the publishers keep answering replay requests for ``linger``
     seconds (or until ``stop``), then shut down.
     """
-    from .publisher import ZmqEventPublisher
+    from .transport.zmq.publisher import ZmqEventPublisher
 
     if speed < 0:
         raise ValueError(f"speed must be >= 0, got {speed}")

@@ -53,6 +53,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import msgspec
 
 from .errors import KVEventsError
+from .transport.zmq.frames import END_SEQ
 
 __all__ = [
     "MAGIC",
@@ -77,7 +78,6 @@ MAX_RECORD = 1 << 30  #: a LEN above this is damage, not a record
 _HEAD = struct.Struct(">8sHI")  # magic, version, meta length
 _U32 = struct.Struct(">I")
 _REC = struct.Struct(">2sII")  # mark, len, crc
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class RecordingError(KVEventsError):

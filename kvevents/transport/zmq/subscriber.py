@@ -1,0 +1,400 @@
+"""A subscriber that follows many publishers and heals gaps by replay.
+
+Two ways to meet publishers:
+
+* connect mode (default): ``Subscriber(["tcp://10.0.0.5:5557", PublisherSpec(...)])`` — one SUB
+  socket per publisher, so each delivery names the publisher it came from (its ``name``,
+  else its endpoint), whatever topic it uses;
+* bind mode: ``Subscriber(bind="tcp://127.0.0.1:5557", replay_endpoints={topic: endpoint})`` —
+  the subscriber binds and publishers connect (vLLM publishers whose endpoint names a
+  concrete host connect); publishers are told apart by topic, so give each its own.
+
+``poll(timeout_ms)`` does the socket work in the calling thread and returns deliveries;
+iterating the subscriber (``for d in sub``) polls until ``close()``; ``deliveries(duration=...)``
+stops by itself; ``async for d in sub`` runs the polls on a dedicated thread.
+
+Malformed input (a wrong frame count, a short seq, an undecodable payload, a bad replay
+answer) is counted by kind in ``health()`` and skipped; an undecodable payload whose seq is
+known becomes a GAP delivery, so a consumer knows its state may be incomplete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, replace
+
+import zmq
+
+from ...codec import decode_batch
+from ...delivery import Delivery, HealthState, PublisherHealth
+from ...errors import DecodeError, EndpointError
+from ...tracker import SeqTracker
+from .endpoints import validate_endpoint
+from .frames import END_SEQ, PROBE_SEQ, is_end_marker, is_replay_answer, replay_request
+
+__all__ = ["Subscriber", "PublisherSpec"]
+
+NOBLOCK, RCVMORE = zmq.NOBLOCK, zmq.RCVMORE
+#: messages taken from one socket per poll: keeps publishers fair and the deliveries a poll
+#: holds (and the garbage collector scans) small
+_DRAIN = 64
+
+
+@dataclass(slots=True)
+class PublisherSpec:
+    endpoint: str | None  #: PUB endpoint to connect to (None in bind mode)
+    replay_endpoint: str | None = None
+    name: str | None = None  #: identity in deliveries and health; defaults to the endpoint (or topic in bind mode)
+
+
+class _Peer:
+    """Sockets and tracker of one publisher."""
+
+    __slots__ = ("name", "replay_endpoint", "sub", "dealer", "tracker")
+
+    def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker) -> None:
+        self.name = name
+        self.replay_endpoint = replay_endpoint
+        self.sub = None
+        self.dealer = None
+        self.tracker = tracker
+
+
+class Subscriber:
+    def __init__(
+        self,
+        publishers: Iterable[str | PublisherSpec | tuple] = (),
+        *,
+        topic: str = "",
+        bind: str | None = None,
+        replay_endpoints: dict[str, str] | None = None,
+        late_join: bool = False,
+        stale_after: float = 10.0,
+        replay_timeout: float = 2.0,
+        max_pending: int = 10_000,
+        rcvhwm: int = 100_000,
+        context: zmq.Context | None = None,
+        raw: bool = False,
+    ) -> None:
+        self.topic = topic
+        #: deliver payloads undecoded (``Delivery.payload``, ``batch`` None): for a consumer that
+        #: decodes them itself (``KVRouter.apply_payload``); a malformed payload then reaches
+        #: the consumer as a BATCH, which must count it (the router does, and marks the pod
+        #: unreliable as for a lost batch)
+        self.raw = raw
+        self.late_join = late_join
+        self.stale_after = stale_after
+        self.replay_timeout = replay_timeout
+        self.max_pending = max_pending
+        self._ctx = context or zmq.Context.instance()
+        self._poller = zmq.Poller()
+        self._by_sock: dict[zmq.Socket, tuple[str, _Peer | None]] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._malformed: dict[str, int] = {}  # malformed frames on a shared (bind-mode) socket
+        self._rcvhwm = rcvhwm
+        self._replay_map = dict(replay_endpoints or {})
+        self._bind_sub = None
+        self._closed = False
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        #: telemetry hook object (installed by kvevents.telemetry; None: the cost is one check)
+        self.hooks = None
+        specs = [self._spec(p) for p in publishers]
+        if bind is None and not specs:
+            raise EndpointError("Subscriber needs publisher endpoints, or bind=ENDPOINT for publishers to connect to")
+        for ep in self._replay_map.values():
+            validate_endpoint(ep, what="replay endpoint")
+        try:
+            for spec in specs:
+                self._add_peer(spec)
+            if bind is not None:
+                validate_endpoint(bind, what="bind endpoint")
+                sock = self._new_sub()
+                sock.bind(bind)
+                self._bind_sub = sock
+                self._register(sock, "bind", None)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise EndpointError(f"cannot open subscriber sockets: {exc}") from None
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _spec(p) -> PublisherSpec:
+        if isinstance(p, PublisherSpec):
+            spec = p
+        elif isinstance(p, str):
+            spec = PublisherSpec(p)
+        elif isinstance(p, tuple) and 1 <= len(p) <= 3:
+            spec = PublisherSpec(*p)
+        else:
+            raise EndpointError(f"a publisher is an endpoint string, (endpoint, replay[, name]) or PublisherSpec; got {p!r}")
+        validate_endpoint(spec.endpoint, what="publisher endpoint")
+        if spec.replay_endpoint:
+            validate_endpoint(spec.replay_endpoint, what="replay endpoint")
+        return spec
+
+    def _new_sub(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        return sock
+
+    def _register(self, sock: zmq.Socket, kind: str, peer: _Peer | None) -> None:
+        self._poller.register(sock, zmq.POLLIN)
+        self._by_sock[sock] = (kind, peer)
+
+    def _make_peer(self, name: str, replay_endpoint: str | None, topic: str = "") -> _Peer:
+        if name in self._peers:
+            raise EndpointError(f"two publishers share the identity {name!r}: give them distinct names")
+        tracker = SeqTracker(name, topic, can_replay=bool(replay_endpoint), late_join=self.late_join,
+                             replay_timeout=self.replay_timeout, max_pending=self.max_pending, now=time.time())
+        peer = _Peer(name, replay_endpoint, tracker)
+        self._peers[name] = peer
+        return peer
+
+    def _add_peer(self, spec: PublisherSpec) -> None:
+        peer = self._make_peer(spec.name or spec.endpoint, spec.replay_endpoint)
+        peer.sub = self._new_sub()
+        peer.sub.connect(spec.endpoint)
+        self._register(peer.sub, "live", peer)
+        self._send_request(peer)
+
+    def _dealer(self, peer: _Peer) -> zmq.Socket:
+        if peer.dealer is None:
+            peer.dealer = self._ctx.socket(zmq.DEALER)
+            peer.dealer.setsockopt(zmq.LINGER, 0)
+            peer.dealer.connect(peer.replay_endpoint)
+            self._register(peer.dealer, "replay", peer)
+        return peer.dealer
+
+    def _drop_dealer(self, peer: _Peer) -> None:
+        """Forget a replay socket so late answers to an abandoned request cannot arrive."""
+        if peer.dealer is not None:
+            self._poller.unregister(peer.dealer)
+            del self._by_sock[peer.dealer]
+            peer.dealer.close(0)
+            peer.dealer = None
+
+    def _send_request(self, peer: _Peer) -> None:
+        start = peer.tracker.request
+        if start is None or not peer.replay_endpoint:
+            return
+        peer.tracker.request = None
+        self._drop_dealer(peer)  # a fresh socket per request: no stale answers mixed in
+        self._dealer(peer).send_multipart(replay_request(start), zmq.NOBLOCK)
+        if self.hooks is not None:
+            self.hooks.on_replay_request(peer.name, peer.tracker.topic, start)
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def poll(self, timeout_ms: int = 100) -> list[Delivery]:
+        """Wait up to ``timeout_ms`` for input and return every delivery it produced."""
+        if self._closed:
+            raise RuntimeError("Subscriber is closed")
+        out: list[Delivery] = []
+        ready = self._poller.poll(timeout_ms)
+        now = time.time()
+        for sock, _ in ready:
+            kind, peer = self._by_sock.get(sock, (None, None))
+            if kind is None:
+                continue
+            recv = sock.recv
+            more = sock.getsockopt
+            for _ in range(_DRAIN):  # bounded drain per socket keeps publishers fair
+                # frame by frame: pyzmq's recv_multipart costs ~2x as much per message
+                try:
+                    frames = [recv(NOBLOCK)]
+                except zmq.Again:
+                    break
+                while more(RCVMORE):
+                    frames.append(recv())
+                if kind == "replay":
+                    self._on_replay(peer, frames, now, out)
+                    if peer.dealer is not sock:
+                        break
+                else:
+                    self._on_live(peer, frames, now, out)
+        for peer in list(self._peers.values()):
+            tracker = peer.tracker
+            if tracker.recovering:
+                out.extend(tracker.tick(now))
+                if not tracker.recovering:
+                    self._drop_dealer(peer)
+                    if self.hooks is not None:
+                        self.hooks.on_replay_end(peer.name, False)
+            if tracker.request is not None:
+                self._send_request(peer)
+        if self.hooks is not None and out:
+            self.hooks.on_deliveries(out)
+        return out
+
+    def _count(self, peer: _Peer | None, kind: str) -> None:
+        d = peer.tracker.health.malformed if peer else self._malformed
+        d[kind] = d.get(kind, 0) + 1
+
+    def _on_live(self, peer: _Peer | None, frames: list[bytes], now: float, out: list[Delivery]) -> None:
+        if len(frames) != 3:
+            self._count(peer, "frames")
+            return
+        topic_b, seq_b, payload = frames
+        topic = topic_b.decode(errors="replace")
+        if peer is None:  # bind mode: the topic names the publisher
+            peer = self._peers.get(topic)
+            if peer is None:
+                peer = self._make_peer(topic, self._replay_map.get(topic), topic)
+        if len(seq_b) != 8:
+            self._count(peer, "seq")
+            return
+        hooks = self.hooks
+        if hooks is not None:
+            t0 = time.time_ns()  # (~50 ns; the seq is not known until after the decode)
+        if self.raw:
+            batch = payload if type(payload) is bytes else bytes(payload)
+        else:
+            try:
+                batch = decode_batch(payload)  # the codec's fast path: the current encoding one call deep
+            except DecodeError:
+                self._count(peer, "payload")
+                batch = None
+        seq = int.from_bytes(seq_b, "big")
+        if hooks is not None and not seq % hooks.every:  # live receive hooks: sampled seqs only
+            hooks.on_receive(peer.name, topic, seq, batch, len(payload), t0, False)
+        out.extend(peer.tracker.on_live(seq, batch, now, topic))
+        if peer.tracker.request is not None:
+            self._send_request(peer)
+
+    def _on_replay(self, peer: _Peer, frames: list[bytes], now: float, out: list[Delivery]) -> None:
+        tracker = peer.tracker
+        if is_end_marker(frames):
+            out.extend(tracker.on_replay_end(now))
+            self._drop_dealer(peer)
+            if self.hooks is not None:
+                self.hooks.on_replay_end(peer.name, True)
+            if tracker.request is not None:
+                self._send_request(peer)
+            return
+        if not is_replay_answer(frames):
+            self._count(peer, "replay")
+            return
+        hooks = self.hooks
+        if hooks is not None:
+            t0 = time.time_ns()
+        if self.raw:
+            batch = frames[3] if type(frames[3]) is bytes else bytes(frames[3])
+        else:
+            try:
+                batch = decode_batch(frames[3])
+            except DecodeError:
+                self._count(peer, "payload")
+                batch = None
+        seq = int.from_bytes(frames[2], "big")
+        if hooks is not None:
+            hooks.on_receive(peer.name, frames[1].decode(errors="replace"), seq, batch, len(frames[3]), t0, True)
+        out.extend(tracker.on_replay(seq, batch, now))
+
+    # ---- iteration ---------------------------------------------------------------------------
+
+    def deliveries(self, duration: float | None = None, idle_timeout: float | None = None) -> Iterator[Delivery]:
+        """Yield deliveries until ``duration`` seconds pass, ``idle_timeout`` seconds pass with none, or close()."""
+        start = last = time.monotonic()
+        while not self._closed:
+            got = self.poll(50)
+            now = time.monotonic()
+            if got:
+                last = now
+                yield from got
+            if duration is not None and now - start >= duration:
+                return
+            if idle_timeout is not None and now - last >= idle_timeout:
+                return
+
+    def __iter__(self) -> Iterator[Delivery]:
+        return self.deliveries()
+
+    async def __aiter__(self) -> AsyncIterator[Delivery]:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvevents-sub")
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            for d in await loop.run_in_executor(self._executor, self.poll, 50):
+                yield d
+
+    async def apoll(self, timeout_ms: int = 100) -> list[Delivery]:
+        """``poll`` without blocking the event loop."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvevents-sub")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.poll, timeout_ms)
+
+    # ---- health ------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, PublisherHealth]:
+        """A snapshot per publisher: state and counters (copies: safe to keep)."""
+        now = time.time()
+        out = {}
+        for name, peer in self._peers.items():
+            h = peer.tracker.health
+            out[name] = replace(h, state=peer.tracker.state(now, self.stale_after), malformed=dict(h.malformed))
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """Counters summed over publishers (malformed by kind as ``malformed_<kind>``)."""
+        totals = {"publishers": len(self._peers), "received": 0, "gaps": 0, "recovered": 0,
+                  "unrecoverable": 0, "resets": 0, "malformed": 0}
+        kinds: dict[str, int] = dict(self._malformed)
+        for peer in self._peers.values():
+            h = peer.tracker.health
+            for k in ("received", "gaps", "recovered", "unrecoverable", "resets"):
+                totals[k] += getattr(h, k)
+            for k, v in h.malformed.items():
+                kinds[k] = kinds.get(k, 0) + v
+        totals["malformed"] = sum(kinds.values())
+        totals.update({f"malformed_{k}": v for k, v in kinds.items()})
+        return totals
+
+    def probe_replay(self, timeout: float = 1.0) -> dict[str, bool]:
+        """Ask each replay endpoint for an empty replay; True where the end marker came back in time.
+
+        ZeroMQ connects lazily, so this is how an unreachable replay socket is found before it matters.
+        """
+        result = {}
+        for name, peer in self._peers.items():
+            if not peer.replay_endpoint:
+                continue
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.connect(peer.replay_endpoint)
+                sock.send_multipart((b"", PROBE_SEQ), zmq.NOBLOCK)
+                deadline = time.monotonic() + timeout
+                ok = False
+                while not ok and sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                    frames = sock.recv_multipart()
+                    ok = is_end_marker(frames)
+                    if time.monotonic() >= deadline:
+                        break
+                result[name] = ok
+            except zmq.ZMQError:
+                result[name] = False
+            finally:
+                sock.close(0)
+        return result
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sock in list(self._by_sock):
+            sock.close(0)
+        self._by_sock.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    def __enter__(self) -> "Subscriber":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
