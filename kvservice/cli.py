@@ -1,0 +1,183 @@
+"""``kvevents router`` / ``python -m kvservice``: the router as a long-running service.
+
+Exit codes: 0 after SIGTERM (clean stop), 130 after SIGINT, 2 for a bad configuration (one
+line on stderr naming the bad key), 3 when the API port cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from kvevents.errors import ConfigError, KVEventsError
+
+from .config import PodConfig, ServiceConfig, from_dict, load_config
+
+__all__ = ["build_config", "main", "register", "run_service"]
+
+log = logging.getLogger("kvservice")
+
+
+def _pod_flag(text: str) -> PodConfig:
+    """``NAME=ENDPOINT[,replay=EP][,model=M][,http=URL][,dp=N][,topic=T]``."""
+    head, *opts = text.split(",")
+    name, sep, endpoint = head.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--pod wants NAME=ENDPOINT[,replay=EP,model=M,http=URL,dp=N,topic=T], "
+                                         f"got {text!r}")
+    pod = PodConfig(name, endpoint or None)
+    keys = {"replay": "replay_endpoint", "model": "model", "http": "http", "dp": "data_parallel_size",
+            "topic": "topic"}
+    for o in opts:
+        k, sep, v = o.partition("=")
+        if not sep or k not in keys:
+            raise argparse.ArgumentTypeError(f"--pod {name}: unknown option {o!r} (known: {', '.join(keys)})")
+        if k == "dp":
+            if not v.isdigit() or int(v) < 1:
+                raise argparse.ArgumentTypeError(f"--pod {name}: dp must be a positive integer, got {v!r}")
+            setattr(pod, keys[k], int(v))
+        else:
+            setattr(pod, keys[k], v)
+    return pod
+
+
+def register(subparsers) -> None:
+    """Entry point of the ``kvevents.commands`` group: adds the ``router`` verb."""
+    p = subparsers.add_parser(
+        "router", help="serve the KV-aware router: scoring API, pod status, metrics, OpenAI-compatible proxy",
+        description="Subscribe to a fleet's KV events and serve a JSON API (/v1/score, /v1/pick, /v1/explain, "
+                    "/v1/pods, /healthz, /readyz, /metrics, /openapi.json); with --proxy also forward "
+                    "/v1/completions and /v1/chat/completions to the pod with the best KV score. The fleet comes "
+                    "from --config (TOML, or YAML with PyYAML) and/or --pod flags; flags win.")
+    add_arguments(p)
+    p.set_defaults(func=run_from_args)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="service config (TOML; .yaml/.yml with PyYAML)")
+    p.add_argument("--pod", action="append", type=_pod_flag, default=[], metavar="NAME=ENDPOINT[,...]",
+                   help="a pod: NAME=PUB_ENDPOINT[,replay=EP][,model=M][,http=URL][,dp=N][,topic=T] (repeatable)")
+    p.add_argument("--model", help="model of pods that name none (router.model)")
+    p.add_argument("--block-size", type=int, metavar="N", help="the router's block size (router.block_size)")
+    p.add_argument("--bind", metavar="ENDPOINT", help="bind mode: engines connect to this endpoint")
+    p.add_argument("--host", help="API address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="API port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-token-file", metavar="FILE", help="require 'Authorization: Bearer <token in FILE>'")
+    p.add_argument("--proxy", action="store_true", default=None, help="serve the OpenAI-compatible proxy")
+    p.add_argument("--tokenizer", metavar="PATH", help="a local Hugging Face tokenizer (dir with tokenizer.json)")
+    p.add_argument("--no-late-join", action="store_true", help="do not replay what publishers buffered at start")
+    p.add_argument("--stale-after", type=float, metavar="S", help="a silent pod is STALE after S seconds")
+    p.add_argument("--replay-timeout", type=float, metavar="S", help="seconds a replay socket has to answer")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+
+
+def build_config(args: argparse.Namespace) -> ServiceConfig:
+    cfg = load_config(args.config) if args.config else from_dict({})
+    by_name = {p.name: i for i, p in enumerate(cfg.pods)}
+    for pod in args.pod:
+        if pod.name in by_name:
+            cfg.pods[by_name[pod.name]] = pod
+        else:
+            cfg.pods.append(pod)
+    if args.model is not None:
+        cfg.router["model"] = args.model
+    if args.block_size is not None:
+        cfg.router["block_size"] = args.block_size
+    for k in ("host", "port", "api_token_file", "proxy", "tokenizer"):
+        if getattr(args, k) is not None:
+            setattr(cfg.api, k, getattr(args, k))
+    if args.bind is not None:
+        cfg.subscriber.bind = args.bind
+    if args.no_late_join:
+        cfg.subscriber.late_join = False
+    if args.stale_after is not None:
+        cfg.subscriber.stale_after = args.stale_after
+    if args.replay_timeout is not None:
+        cfg.subscriber.replay_timeout = args.replay_timeout
+    return cfg.validate()
+
+
+async def serve(cfg: ServiceConfig, stop: asyncio.Event, *, announce=print) -> None:
+    """Run the service until ``stop`` is set."""
+    from aiohttp import web
+
+    from .api import API_KEY, build_app, make_tokenizer, read_token
+    from .ingest import Fleet
+    from .metrics import Telemetry
+
+    token = read_token(cfg.api.api_token_file) if cfg.api.api_token_file else None
+    fleet = Fleet(cfg)
+    try:
+        tokenizer = make_tokenizer(fleet, cfg.api.tokenizer, cfg.api.upstream_timeout)
+        proxy = None
+        if cfg.api.proxy:
+            from .proxy import Proxy
+
+            proxy = Proxy(fleet, cfg.api)
+        app = build_app(fleet, token=token, tokenizer=tokenizer, proxy=proxy)
+        api = app[API_KEY]
+        api.telemetry = Telemetry(fleet)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, cfg.api.host, cfg.api.port)
+            try:
+                await site.start()
+            except OSError as exc:
+                raise BindError(f"cannot serve on {cfg.api.host}:{cfg.api.port}: {exc.strerror}") from None
+            port = runner.addresses[0][1]
+            fleet.start()
+            announce(f"kvevents router: listening on http://{cfg.api.host}:{port} "
+                     f"({len(cfg.pods)} pod(s){', proxy' if proxy else ''})")
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+            api.telemetry.close()
+    finally:
+        fleet.stop()
+
+
+class BindError(KVEventsError):
+    pass
+
+
+def run_service(cfg: ServiceConfig) -> int:
+    """Run until SIGTERM (exit 0) or SIGINT (exit 130)."""
+    got: list[int] = []
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: (got.append(s), stop.set()))
+        await serve(cfg, stop, announce=lambda line: print(line, flush=True))
+
+    asyncio.run(main())
+    return 130 if got and got[0] == signal.SIGINT else 0
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    cfg = build_config(args)
+    try:
+        return run_service(cfg)
+    except BindError as exc:
+        print(f"kvevents router: error: {exc}", file=sys.stderr)
+        return 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvservice", description="the kvevents router service")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_from_args(args)
+    except (ConfigError, KVEventsError) as exc:
+        print(f"kvevents router: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,246 @@
+"""The service's ingest side: a Subscriber feeding a KVRouter on a thread of its own.
+
+Threads: the ingest thread is the only one that polls the subscriber and feeds the router;
+every router call (``handle``, ``refresh_health``, ``score``/``pick``/``explain``,
+``counters``) happens under :attr:`Fleet.lock`, held for one delivery on the ingest side and
+for one answer on the API side, so a query sees the index between two batches, never inside
+one. The pod table (:meth:`Fleet.pods_view`) and readiness are rebuilt by the ingest thread
+from subscriber health and read by the API as one immutable snapshot (an attribute swap).
+
+Attribution: a batch is indexed under a pod and a model. A configured publisher's batches get
+the pod's name and model whatever their topic says (vLLM's default topic is ``""``); in bind
+mode a topic ``kv@<pod>@<model>`` names both, another non-empty topic is the pod with the
+default model. A batch that can still not be attributed is never dropped silently: it is
+counted per publisher with the reason, logged once, and shown in ``/v1/pods`` and metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from consumers import KVRouter, pod_from_topic
+from kvevents import PublisherSpec, Subscriber, peek_ts
+from kvevents.errors import DecodeError
+
+from .config import ServiceConfig
+
+__all__ = ["Fleet", "PodStatus", "Unattributed"]
+
+log = logging.getLogger("kvservice")
+
+
+@dataclass(slots=True)
+class Unattributed:
+    """Batches of one publisher the router could not index, and why."""
+
+    publisher: str
+    reason: str
+    batches: int = 0
+
+
+@dataclass(slots=True)
+class PodStatus:
+    name: str
+    model: str | None
+    configured: bool
+    state: str = "RECOVERING"
+    synced_once: bool = False
+    last_seq: int = -1
+    last_recv_ts: float = 0.0
+    lag_s: float | None = None  #: receive time minus the batch's own ts, for the last batch
+    batches: int = 0
+    gaps: int = 0
+    unrecoverable: int = 0
+    resets: int = 0
+    malformed: dict[str, int] = field(default_factory=dict)
+    publishers: list[str] = field(default_factory=list)
+
+    def as_dict(self, now: float) -> dict:
+        return {"name": self.name, "model": self.model, "configured": self.configured, "state": self.state,
+                "synced_once": self.synced_once, "last_seq": self.last_seq,
+                "last_recv_age_s": (now - self.last_recv_ts) if self.last_recv_ts else None,
+                "lag_s": self.lag_s, "batches": self.batches, "gaps": self.gaps,
+                "unrecoverable": self.unrecoverable, "resets": self.resets, "malformed": dict(self.malformed),
+                "publishers": list(self.publishers)}
+
+
+class Fleet:
+    """Owns the subscriber, the router, the ingest thread and the lock between them."""
+
+    def __init__(self, cfg: ServiceConfig, *, health_interval: float = 0.2) -> None:
+        self.cfg = cfg
+        self.router = KVRouter(cfg.router_config())
+        self.default_model = self.router.config.model
+        self.lock = threading.Lock()
+        self.health_interval = health_interval
+        #: publisher identity -> (pod, topic the router sees): fixed for configured ones
+        self._attr: dict[str, tuple[str, str]] = {}
+        self._pod_cfg = {p.name: p for p in cfg.pods}
+        self.models: set[str] = cfg.models()
+        self.unattributed: dict[str, Unattributed] = {}
+        self.ingest_errors = 0  #: exceptions the ingest loop caught (counted, logged, loop goes on)
+        self.deliveries = 0
+        self._last: dict[str, tuple[int, float, float | None]] = {}  # publisher -> seq, recv_ts, batch ts
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.ready = False
+        self.pods: dict[str, PodStatus] = {}
+        sc = cfg.subscriber
+        for p in cfg.pods:
+            model = cfg.pod_model(p)
+            self.pods[p.name] = PodStatus(p.name, model, True)
+            if sc.bind is None:
+                for ident, _ep, _rep in p.publishers():
+                    self._attr[ident] = (p.name, f"kv@{p.name}@{model}")
+                    self.pods[p.name].publishers.append(ident)
+            else:
+                self._attr[p.topic or ""] = (p.name, f"kv@{p.name}@{model}")
+                self.pods[p.name].publishers.append(p.topic or "")
+        if sc.bind is None:
+            specs = [PublisherSpec(ep, rep, ident) for p in cfg.pods for ident, ep, rep in p.publishers()]
+            self.sub = Subscriber(specs, late_join=sc.late_join, stale_after=sc.stale_after,
+                                  replay_timeout=sc.replay_timeout, raw=True)
+        else:
+            replays = {p.topic or "": p.replay_endpoint for p in cfg.pods if p.replay_endpoint}
+            self.sub = Subscriber(bind=sc.bind, replay_endpoints=replays, late_join=sc.late_join,
+                                  stale_after=sc.stale_after, replay_timeout=sc.replay_timeout, raw=True)
+        self._refresh(time.time())
+
+    # ---- the thread ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvservice-ingest", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.sub.close()
+
+    def _loop(self) -> None:
+        next_health = 0.0
+        poll = self.sub.poll
+        while not self._stop.is_set():
+            try:
+                for d in poll(50):
+                    self.take(d)
+                now = time.monotonic()
+                if now >= next_health:
+                    next_health = now + self.health_interval
+                    with self.lock:
+                        self.router.refresh_health(self.sub)
+                    self._refresh(time.time())
+            except Exception:  # noqa: BLE001 — a long-running loop counts, logs and goes on
+                self.ingest_errors += 1
+                if self.ingest_errors == 1 or self.ingest_errors % 1000 == 0:
+                    log.exception("ingest loop error #%d (counted; the loop goes on)", self.ingest_errors)
+
+    def take(self, d) -> None:
+        """Attribute and apply one delivery (the ingest thread; tests may call it directly)."""
+        self.deliveries += 1
+        attr = self._attr.get(d.publisher)
+        if attr is None:
+            attr = self._learn(d)
+            if attr is None:
+                return
+        pod, topic = attr
+        d.topic = topic
+        payload = d.payload
+        if payload is not None:
+            try:
+                ts = peek_ts(payload)
+            except DecodeError:
+                ts = None
+            self._last[d.publisher] = (d.seq, d.recv_ts, ts)
+        router = self.router
+        errors = router.stats.errors
+        before = errors.get("bad_delivery", 0)
+        with self.lock:
+            router.handle(d)
+        if errors.get("bad_delivery", 0) != before:
+            self._unattributed(d.publisher, f"the router could not index pod {pod!r}'s batch (bad_delivery)")
+
+    def _learn(self, d) -> tuple[str, str] | None:
+        """A publisher no pod was configured for (bind mode): attribute it by its topic, or count it."""
+        pod, model = pod_from_topic(d.topic)
+        if pod is None and d.topic and not d.topic.startswith("kv@"):
+            pod = d.topic
+        if pod is None:
+            self._unattributed(d.publisher, f"topic {d.topic!r} names no pod and no configured pod has it "
+                               "(give the pod topic = this topic in the config)")
+            return None
+        model = model or self.default_model
+        if model is None:
+            self._unattributed(d.publisher, f"topic {d.topic!r} names no model and router.model is not set")
+            return None
+        attr = self._attr[d.publisher] = (pod, f"kv@{pod}@{model}")
+        self.models = self.models | {model}
+        st = self.pods.get(pod)
+        if st is None:
+            st = PodStatus(pod, model, False)
+            self.pods = {**self.pods, pod: st}
+        st.publishers.append(d.publisher)
+        log.info("publisher %r (topic %r) attributed to pod %r, model %r", d.publisher, d.topic, pod, model)
+        return attr
+
+    def _unattributed(self, publisher: str, reason: str) -> None:
+        u = self.unattributed.get(publisher)
+        if u is None:
+            u = self.unattributed[publisher] = Unattributed(publisher, reason)
+            log.warning("batches from publisher %r are not indexed: %s (counted in /v1/pods and "
+                        "kvservice_unattributed_batches_total)", publisher, reason)
+        u.batches += 1
+
+    # ---- state for the API ---------------------------------------------------------------
+    def _refresh(self, now: float) -> None:
+        """Rebuild pod states from subscriber health (ingest thread, or at start)."""
+        health = self.sub.health()
+        for st in list(self.pods.values()):
+            states = []
+            for ident in st.publishers:
+                h = health.get(ident)
+                if h is None:
+                    states.append("RECOVERING" if st.configured else "SYNCED")
+                    continue
+                states.append(h.state.value)
+                st.last_seq = max(st.last_seq, h.last_seq)
+                st.last_recv_ts = max(st.last_recv_ts, h.last_recv_ts if h.received else 0.0)
+                st.batches = h.received if len(st.publishers) == 1 else st.batches
+                st.gaps, st.unrecoverable, st.resets = h.gaps, h.unrecoverable, h.resets
+                st.malformed = dict(h.malformed)
+                last = self._last.get(ident)
+                if last is not None and last[2] is not None:
+                    st.lag_s = max(0.0, last[1] - last[2])
+            if len(st.publishers) > 1:
+                st.batches = sum(health[i].received for i in st.publishers if i in health)
+            worst = "SYNCED"
+            for s in states:
+                if s == "STALE" or (s == "RECOVERING" and worst == "SYNCED"):
+                    worst = s
+            st.state = worst
+            if worst == "SYNCED":
+                st.synced_once = True
+        with self.lock:
+            unreliable = self._unreliable()
+        for pod in unreliable:
+            if pod in self.pods:
+                self.pods[pod].state = "UNRELIABLE"
+        self.ready = all(st.synced_once for st in self.pods.values() if st.configured)
+
+    def _unreliable(self) -> set[str]:
+        out = set()
+        for model in self.models:
+            for pod, exps in self.router.explain([], model=model).items():
+                if any(e.state == "UNRELIABLE" for e in exps):
+                    out.add(pod)
+        return out
+
+    def pods_view(self) -> dict:
+        now = time.time()
+        return {"pods": [st.as_dict(now) for st in sorted(self.pods.values(), key=lambda s: s.name)],
+                "unattributed": [{"publisher": u.publisher, "reason": u.reason, "batches": u.batches}
+                                 for u in self.unattributed.values()],
+                "ready": self.ready, "ingest_errors": self.ingest_errors, "deliveries": self.deliveries}

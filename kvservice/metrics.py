@@ -1,0 +1,115 @@
+"""``/metrics``: the project's OpenTelemetry metrics (router, subscriber) on a Prometheus scrape,
+plus the service's own series, kept as plain ints and rendered here:
+
+* ``kvservice_http_requests_total{route,method,status}``
+* ``kvservice_http_request_duration_seconds{route}`` (histogram)
+* ``kvservice_unattributed_batches_total{publisher}`` — batches no pod/model could be found for
+* ``kvservice_proxy_requests_total{pod,outcome}`` / ``kvservice_proxy_retries_total`` /
+  ``kvservice_pod_down{pod}`` (proxy mode)
+* ``kvservice_ready``, ``kvservice_internal_errors_total``, ``kvservice_ingest_errors_total``
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+__all__ = ["HttpMetrics", "Telemetry", "render_service_metrics"]
+
+BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class HttpMetrics:
+    """Request counts by (route, method, status) and latency histograms by route (event-loop thread)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str, int], int] = {}
+        self.hist: dict[str, list] = {}  # route -> [bucket counts..., +Inf count, sum]
+
+    def observe(self, route: str, method: str, status: int, seconds: float) -> None:
+        k = (route, method, status)
+        self.counts[k] = self.counts.get(k, 0) + 1
+        h = self.hist.get(route)
+        if h is None:
+            h = self.hist[route] = [0] * (len(BUCKETS) + 1) + [0.0]
+        h[bisect.bisect_left(BUCKETS, seconds)] += 1
+        h[-1] += seconds
+
+
+class Telemetry:
+    """The OpenTelemetry side: a MeterProvider whose Prometheus reader writes into a registry of
+    this service's own (so two services in one process do not mix), observing router and subscriber."""
+
+    def __init__(self, fleet) -> None:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry
+
+        from consumers.telemetry import observe_router
+        from kvevents.telemetry import observe_subscriber, setup
+
+        self.registry = CollectorRegistry()
+        self.reader = PrometheusMetricReader(registry=self.registry)
+        self.handle = setup(metric_readers=(self.reader,), set_global=False, service_name="kvevents-router",
+                            otlp=False)
+        meter = self.handle.meter("kvservice")
+        self.observations = [observe_router(fleet.router, meter), observe_subscriber(fleet.sub, meter)]
+        self.lock = threading.Lock()
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    def close(self) -> None:
+        for o in self.observations:
+            o.close()
+        self.handle.shutdown()
+
+
+def _esc(v: object) -> str:
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def render_service_metrics(api) -> bytes:
+    fleet = api.fleet
+    parts: list[bytes] = []
+    tel = getattr(api, "telemetry", None)
+    if tel is not None:
+        with fleet.lock:  # the observers read the router's counters and index
+            parts.append(tel.render())
+    out = []
+    m = api.metrics
+    out.append("# HELP kvservice_http_requests_total HTTP requests answered, by route, method and status")
+    out.append("# TYPE kvservice_http_requests_total counter")
+    for (route, method, status), n in sorted(m.counts.items()):
+        out.append(f'kvservice_http_requests_total{{route="{_esc(route)}",method="{method}",status="{status}"}} {n}')
+    out.append("# HELP kvservice_http_request_duration_seconds Time to answer an HTTP request, by route")
+    out.append("# TYPE kvservice_http_request_duration_seconds histogram")
+    for route, h in sorted(m.hist.items()):
+        r = _esc(route)
+        acc = 0
+        for b, n in zip(BUCKETS, h):
+            acc += n
+            out.append(f'kvservice_http_request_duration_seconds_bucket{{route="{r}",le="{b}"}} {acc}')
+        acc += h[len(BUCKETS)]
+        out.append(f'kvservice_http_request_duration_seconds_bucket{{route="{r}",le="+Inf"}} {acc}')
+        out.append(f'kvservice_http_request_duration_seconds_sum{{route="{r}"}} {h[-1]}')
+        out.append(f'kvservice_http_request_duration_seconds_count{{route="{r}"}} {acc}')
+    out.append("# HELP kvservice_unattributed_batches_total Batches not indexed: no pod or model could be found")
+    out.append("# TYPE kvservice_unattributed_batches_total counter")
+    for u in list(fleet.unattributed.values()):
+        out.append(f'kvservice_unattributed_batches_total{{publisher="{_esc(u.publisher)}"}} {u.batches}')
+    out.append("# HELP kvservice_ready 1 once every configured pod has been synced (late-join replay done)")
+    out.append("# TYPE kvservice_ready gauge")
+    out.append(f"kvservice_ready {int(fleet.ready)}")
+    out.append("# HELP kvservice_internal_errors_total Requests answered 500 (logged)")
+    out.append("# TYPE kvservice_internal_errors_total counter")
+    out.append(f"kvservice_internal_errors_total {api.internal_errors}")
+    out.append("# HELP kvservice_ingest_errors_total Exceptions caught by the ingest loop (logged)")
+    out.append("# TYPE kvservice_ingest_errors_total counter")
+    out.append(f"kvservice_ingest_errors_total {fleet.ingest_errors}")
+    proxy = getattr(api, "proxy", None)
+    if proxy is not None:
+        out.extend(proxy.metric_lines())
+    parts.append(("\n".join(out) + "\n").encode())
+    return b"".join(parts)
