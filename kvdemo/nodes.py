@@ -12,7 +12,8 @@ from kvevents.events import KVEventBatch
 from kvevents.publisher import ZmqEventPublisher
 from manager.cpu import CPUOffloadingManager
 from manager.engine_sim import SimEngine
-from manager.tiering import SecondaryTierFactory, TieringOffloadingManager
+from manager.spec_cpu import CPUOffloadingSpec
+from manager.tiering import TieringOffloadingManager
 
 __all__ = ["EngineSizing", "Node", "make_node"]
 
@@ -94,10 +95,10 @@ def make_node(name: str, root: Path, sizing: EngineSizing, *, model: str | None 
     """An engine called ``name`` with its fs tier under ``root/name-fs``; when ``publish``,
     a ZeroMQ publisher on ``ipc://root/name.pub`` with its replay socket beside it."""
     fs_dir = root / f"{name}-fs"
-    primary = CPUOffloadingManager(sizing.cpu_blocks, "lru", enable_events=publish)
-    fs = SecondaryTierFactory.create_secondary_tier(
-        {"type": "fs", "root": str(fs_dir), "capacity_blocks": sizing.fs_blocks, "num_threads": 1})
-    manager = TieringOffloadingManager(primary, [fs])
+    spec = CPUOffloadingSpec(sizing.cpu_blocks, cache_policy="lru", enable_events=publish,
+                             offloaded_block_size=sizing.offload_block_size,
+                             secondary_tiers=[{"type": "fs", "root": str(fs_dir), "capacity_blocks": sizing.fs_blocks,
+                                               "num_threads": 1}])
     pub = endpoint = replay = topic = dropper = None
     if publish:
         endpoint = f"ipc://{root}/{name}.pub"
@@ -106,7 +107,7 @@ def make_node(name: str, root: Path, sizing: EngineSizing, *, model: str | None 
         dropper = LiveDropper(drop_rate, seed)
         pub = ZmqEventPublisher(endpoint, replay, topic=topic, drop_live=dropper, replay_rate=200.0,
                                 replay_burst=20)
-    engine = SimEngine(manager, pub, gpu_blocks=sizing.gpu_blocks, block_size=sizing.block_size,
-                       offload_block_size=sizing.offload_block_size, max_num_seqs=sizing.max_num_seqs,
-                       max_tokens_per_step=sizing.max_tokens_per_step, use_torch=False)
-    return Node(name, engine, manager, fs_dir, pub, endpoint, replay, topic, dropper)
+    engine = SimEngine(spec, pub, gpu_blocks=sizing.gpu_blocks, block_size=sizing.block_size,
+                       max_num_seqs=sizing.max_num_seqs, max_tokens_per_step=sizing.max_tokens_per_step,
+                       use_torch=False)
+    return Node(name, engine, engine.manager, fs_dir, pub, endpoint, replay, topic, dropper)  # type: ignore[arg-type]

@@ -170,6 +170,8 @@ class OffloadingManager(ABC):
 
     #: the medium name this manager's blocks live in (e.g. ``"CPU"``).
     medium: str = "CPU"
+    #: how many host blocks the manager addresses (sizes the host buffer); None: no fixed pool.
+    num_blocks: int | None = None
 
     @abstractmethod
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -201,6 +203,11 @@ class OffloadingManager(ABC):
 
     def on_request_finished(self, req_context: ReqContext) -> None:  # noqa: B027 - default no-op
         """Called once when the request is done (after its jobs completed or were flushed)."""
+
+    def bind_block_io(self, block_io: BlockIO) -> None:  # noqa: B027 - default no-op
+        """The host buffer's bytes, once the worker side has built it (an
+        :class:`~manager.spec.OffloadingSpec` calls this): managers whose parts move bytes
+        (secondary tiers) keep it; the default ignores it."""
 
     def take_events(self) -> list[OffloadingEvent]:
         """Pure drain of the events accumulated so far; changes no job or cache state."""

@@ -17,7 +17,7 @@ Per step the engine calls, in order:
    chunks, and the jobs to flush; its very last action is ``manager.on_schedule_end()``;
 4. ``update_connector_output(finished_jobs, failed_jobs)`` with what the worker finished;
 5. ``take_events()``: the manager's OffloadingEvents as kvevents ``BlockStored`` /
-   ``BlockRemoved``.
+   ``BlockRemoved`` (through :mod:`manager.wire`, the one adapter to the wire).
 
 Policies: a ``BLOCK_LEVEL`` request (the default) stores only the chunks it computes, never
 its prefix hit (GPU or offloaded) again; a ``REQUEST_LEVEL`` request offers every chunk to
@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from kvevents.events import BlockRemoved, BlockStored, KVEvent
+from kvevents.events import KVEvent
 
 from .base import (
     LookupResult,
@@ -46,7 +46,6 @@ from .base import (
     ReqContext,
     RequestLifecycleError,
     make_offload_key,
-    split_offload_key,
 )
 from .connector_types import (
     LOAD,
@@ -60,9 +59,9 @@ from .connector_types import (
     SchedulerOutput,
     TransferJob,
 )
-from .hashing import wire_hash
 from .lifecycle import RequestLifecycle
 from .transfer_base import expand_block_ids
+from .wire import offload_events_to_kv_events
 
 __all__ = [
     "CachedRequestData",
@@ -93,39 +92,6 @@ class _ReqState:
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
     finish_called: bool = False  # request_finished was called (a second call is a repeat)
-
-
-def offload_events_to_kv_events(events: Iterable[Any], *, int_hashes: bool = True) -> list[KVEvent]:
-    """OffloadingEvents as kvevents: one event per (OffloadingEvent, KV-cache group).
-
-    Stored blocks become ``BlockStored(block_hashes, parent_block_hash=None, token_ids=[],
-    block_size=0, lora_id=None, medium, lora_name=None, group_idx)`` (offload events carry
-    no tokens and no block size), removed ones ``BlockRemoved(block_hashes, medium,
-    group_idx)``.
-    """
-    out: list[KVEvent] = []
-    for ev in events:
-        by_group: dict[int, list[int | bytes]] = {}
-        for key in ev.keys:
-            block_hash, group = split_offload_key(key)
-            by_group.setdefault(group, []).append(wire_hash(block_hash, int_hashes))
-        for group, hashes in by_group.items():
-            if ev.removed:
-                out.append(BlockRemoved(block_hashes=hashes, medium=ev.medium, group_idx=group))
-            else:
-                out.append(
-                    BlockStored(
-                        block_hashes=hashes,
-                        parent_block_hash=None,
-                        token_ids=[],
-                        block_size=0,
-                        lora_id=None,
-                        medium=ev.medium,
-                        lora_name=None,
-                        group_idx=group,
-                    )
-                )
-    return out
 
 
 class OffloadingConnectorScheduler:

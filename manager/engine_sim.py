@@ -1,9 +1,12 @@
 """A small simulated engine: the loop that drives the offload stack end to end.
 
-``SimEngine(manager, publisher, gpu_blocks=..., block_size=16, offload_block_size=...)``
-keeps a GPU prefix cache (:mod:`manager.prefix_cache`), a device KV tensor and a host buffer,
-an :class:`~manager.connector.OffloadingConnectorScheduler` over ``manager`` and a transfer
-worker (torch when importable, else numpy: the base package runs it without torch). Each
+``SimEngine(spec, publisher, gpu_blocks=..., block_size=16, offload_block_size=...)`` is
+configured with an :class:`~manager.spec.OffloadingSpec` (or a ready manager, wrapped in a
+:class:`~manager.spec.ManagerSpec`): the spec's manager goes under an
+:class:`~manager.connector.OffloadingConnectorScheduler`, and its handlers (the transfer
+worker and the host buffer's block I/O) are built over the engine's device KV tensor
+(:mod:`manager.sim_device`: torch when importable, else numpy, so the base package runs it
+without torch). It keeps a GPU prefix cache (:mod:`manager.prefix_cache`). Each
 :meth:`SimEngine.step`:
 
 1. schedules: running requests first (a decode token each, or the rest of their prefill),
@@ -16,7 +19,8 @@ worker (torch when importable, else numpy: the base package runs it without torc
 3. completes what the worker finished through ``update_connector_output``, frees the GPU
    blocks of released requests;
 4. publishes the step's GPU events and the connector's offload events as ONE
-   :class:`~kvevents.events.KVEventBatch` through the publisher (if there are any).
+   :class:`~kvevents.events.KVEventBatch` (:func:`manager.wire.assemble_batch`) through the
+   publisher (if there are any).
 """
 
 from __future__ import annotations
@@ -29,15 +33,16 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvevents.events import KVEventBatch
 from kvevents.publisher_base import EventPublisher
 
-from .base import NumpyBlockIO, OffloadingManager
+from .base import OffloadingManager
 from .connector import OffloadingConnectorScheduler
 from .connector_types import CachedRequestData, EngineRequest, NewRequestData, SchedulerOutput
 from .hashing import hash_request_blocks
 from .prefix_cache import GPUPrefixCache
-from .transfer_base import NumpyTransferWorker, TransferWorker
+from .sim_device import make_device
+from .spec import ManagerSpec, OffloadingSpec
+from .wire import assemble_batch
 
 __all__ = ["SimEngine", "StepStats"]
 
@@ -92,7 +97,7 @@ class SimEngine:
 
     def __init__(
         self,
-        manager: OffloadingManager,
+        spec: OffloadingSpec | OffloadingManager,
         publisher: EventPublisher | None = None,
         *,
         gpu_blocks: int = 256,
@@ -109,33 +114,30 @@ class SimEngine:
         vocab_size: int = 32000,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.manager = manager
+        if not isinstance(spec, OffloadingSpec):
+            spec = ManagerSpec(spec)  # a manager built by hand
+        self.spec = spec
+        self.manager = manager = spec.get_manager()
         self.publisher = publisher
         self.block_size = block_size
-        self.offload_block_size = offload_block_size or block_size
+        self.offload_block_size = offload_block_size or spec.offloaded_block_size or block_size
         self.connector = OffloadingConnectorScheduler(
             manager, block_size, self.offload_block_size, int_hashes=int_hashes
         )
-        k = self.connector.blocks_per_chunk
         self.gpu = GPUPrefixCache(gpu_blocks, block_size, int_hashes=int_hashes)
-        if host_blocks is None:
-            n_off = getattr(manager, "num_blocks", None) or getattr(getattr(manager, "primary", None), "num_blocks", None)
-            if not n_off:
-                raise ValueError("host_blocks not given and the manager has no num_blocks to size the host buffer")
-            host_blocks = int(n_off)
         self.max_num_seqs = max_num_seqs
         self.max_tokens_per_step = max_tokens_per_step
         self.sync_transfers = sync_transfers
         self.vocab_size = vocab_size
         self.clock = clock
-        self.worker, self._dev, self._host, self.backend = _make_worker(
-            gpu_blocks, host_blocks * k, row_elems, use_torch, device
+        self.device = make_device(gpu_blocks, row_elems, use_torch, device)
+        self.backend = self.device.backend
+        self.handlers = spec.create_handlers(
+            self.device.tensor, blocks_per_chunk=self.connector.blocks_per_chunk, host_blocks=host_blocks
         )
-        # tiers that move bytes see the host buffer one offloaded block per row
-        self.host_block_io = NumpyBlockIO(self._host.reshape(host_blocks, -1))
-        for tier in getattr(manager, "tiers", ()):
-            if getattr(tier, "block_io", "absent") is None:
-                tier.block_io = self.host_block_io
+        self.worker = self.handlers.worker
+        #: the host buffer one offloaded block per row (what the manager's tiers read and write)
+        self.host_block_io = self.handlers.host_block_io
         self._requests: dict[str, _SimRequest] = {}
         self._waiting: collections.deque[_SimRequest] = collections.deque()
         self._running: list[_SimRequest] = []
@@ -347,7 +349,7 @@ class SimEngine:
             if hi >= eng.num_tokens:  # the step produced a token
                 self._generate(r, st)
         if rows:
-            self._write_rows(rows, vals)
+            self.device.write_rows(rows, vals)
 
     def _generate(self, r: _SimRequest, st: StepStats) -> None:
         r.output_tokens += 1
@@ -409,7 +411,7 @@ class SimEngine:
             eng = r.engine
             if req_id in upd.loaded:
                 lo, hi = eng.num_computed_tokens // bs, (eng.num_computed_tokens + r.pending_external) // bs
-                got = self._read_rows(r.block_ids[lo:hi])
+                got = self.device.read_rows(r.block_ids[lo:hi])
                 want = np.array([block_value(h) for h in eng.block_hashes[lo:hi]], dtype=np.int64)
                 self.load_verify_failures += int(np.count_nonzero(got[:, 0] != want) if len(want) else 0)
                 eng.num_computed_tokens += r.pending_external
@@ -426,49 +428,13 @@ class SimEngine:
         gpu_events = self.gpu.take_events()
         off_events = self.connector.take_events()
         st.gpu_events, st.offload_events = len(gpu_events), len(off_events)
-        events = gpu_events + off_events
-        if not events or self.publisher is None:
+        if self.publisher is None:
             return
-        rank = getattr(self.publisher, "data_parallel_rank", None)
-        self.publisher.publish(KVEventBatch(ts=self.clock(), events=events, data_parallel_rank=rank))
+        batch = assemble_batch(gpu_events, off_events, ts=self.clock(),
+                               data_parallel_rank=getattr(self.publisher, "data_parallel_rank", None))
+        if batch is None:
+            return
+        self.publisher.publish(batch)
         self.batches_published += 1
-        self.events_published += len(events)
+        self.events_published += len(batch.events)
         st.published = True
-
-    # --- the device tensor ------------------------------------------------------------------
-    def _write_rows(self, rows: list[int], vals: list[int]) -> None:
-        if self.backend == "numpy":
-            self._dev[np.asarray(rows)] = np.asarray(vals, dtype=np.int64)[:, None]
-        else:
-            import torch
-
-            idx = torch.as_tensor(rows, device=self._dev.device)
-            self._dev[idx] = torch.as_tensor(vals, dtype=torch.int64, device=self._dev.device).unsqueeze(1)
-
-    def _read_rows(self, rows: list[int]) -> np.ndarray:
-        if self.backend == "numpy":
-            return self._dev[np.asarray(rows, dtype=np.int64)]
-        import torch
-
-        return self._dev[torch.as_tensor(rows, device=self._dev.device)].cpu().numpy()
-
-
-def _make_worker(gpu_blocks: int, host_rows: int, row_elems: int, use_torch: bool | None, device: str):
-    """(worker, device tensor, host buffer as numpy, backend name)."""
-    if use_torch is not False:
-        try:
-            import torch
-
-            from .transfer import TorchTransferWorker
-        except ImportError:
-            if use_torch:
-                raise
-        else:
-            dev = torch.zeros((gpu_blocks, row_elems), dtype=torch.int64, device=device)
-            worker = TorchTransferWorker(dev, host_rows)
-            return worker, dev, worker.host_cache.numpy(), "torch-" + dev.device.type
-    if device != "cpu":
-        raise ValueError(f"device {device!r} needs torch; the numpy backend runs on the CPU only")
-    dev_np = np.zeros((gpu_blocks, row_elems), dtype=np.int64)
-    worker: TransferWorker = NumpyTransferWorker(dev_np, host_rows)
-    return worker, dev_np, worker.host_cache, "numpy"

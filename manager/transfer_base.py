@@ -176,6 +176,11 @@ class TransferWorker(abc.ABC):
     def shutdown(self, timeout: float | None = 5.0) -> None:
         """Stop; a job that never ran is reported failed by the next ``get_finished``."""
 
+    def host_array(self) -> np.ndarray:
+        """The host buffer as a numpy array sharing its memory (``host_cache``: a numpy array,
+        or a CPU torch tensor, pinned or not)."""
+        return np.asarray(self.host_cache)  # type: ignore[attr-defined]
+
     def stats(self) -> dict[str, int]:
         return {
             "jobs_submitted": self.jobs_submitted,

@@ -83,9 +83,7 @@ class TieringOffloadingManager(OffloadingManager):
         self.strict = strict
         self.medium = primary.medium
         if block_io is not None:
-            for tier in self.tiers:
-                if tier.block_io is None:
-                    tier.block_io = block_io
+            self.bind_block_io(block_io)
         self._job_ids = count(1)
         self._jobs: dict[int, _Job] = {}
         self._tier_storing: list[set[OffloadKey]] = [set() for _ in self.tiers]
@@ -307,6 +305,12 @@ class TieringOffloadingManager(OffloadingManager):
         for tier in self.tiers:
             tier.shutdown()
         self.primary.shutdown()
+
+    def bind_block_io(self, block_io: BlockIO) -> None:
+        """Tiers built without a :class:`~manager.base.BlockIO` move bytes through ``block_io``."""
+        for tier in self.tiers:
+            if tier.block_io is None:
+                tier.block_io = block_io
 
     # vLLM's names for the two parts (kept: ours are used throughout)
     @property
