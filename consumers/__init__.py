@@ -3,18 +3,22 @@
 from ._accel import status as fastpath_status
 from .keys import DEFAULT_BLOCK_SIZE, model_seed, request_keys
 from .router import KVRouter, pod_from_topic
+from .index import INDEX_BACKENDS, Index
 from .router_config import RouterConfig, RouterInputError, RouterStats
-from .score import Explanation, Score, TierMatch
+from .score import Explanation, Score, TierMatch, best
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "Explanation",
+    "INDEX_BACKENDS",
+    "Index",
     "KVRouter",
     "RouterConfig",
     "RouterInputError",
     "RouterStats",
     "Score",
     "TierMatch",
+    "best",
     "fastpath_status",
     "model_seed",
     "pod_from_topic",

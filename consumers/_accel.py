@@ -8,16 +8,18 @@ The extension recomputes CPython's int and tuple hashes (the router's keys are d
 them, see :mod:`consumers.keys`), so before it is used it must give the very keys the
 Python chain gives, both from a Python list (``chain_keys``) and from a msgpack payload
 (``apply``). If it ever does not (a future CPython changing its hashes), it is not used and
-:func:`status` says why.
+:func:`status` says why. This module imports nothing of the router (the chain to compare
+with is passed in): ``keys`` -> ``_accel`` is one way.
 """
 
 from __future__ import annotations
 
 import os
+from array import array
 from types import ModuleType
 from typing import Callable
 
-__all__ = ["load", "status"]
+__all__ = ["load", "module", "status"]
 
 _STATE: dict[str, object] = {"module": None, "reason": "not loaded yet"}
 
@@ -39,22 +41,19 @@ def _self_check(mod: ModuleType, chain_py: Callable) -> str | None:
     n = len(_PROBE) // bs
     hashes = list(range(1000, 1000 + n))
     payload = encode_batch(KVEventBatch(0.0, [BlockStored(hashes, None, _PROBE[: n * bs], bs, None, "GPU", None)], 0))
-    from .index import LearnedMap
-    from .router_config import RouterStats
-
-    mod.bind_counters(RouterStats, LearnedMap)  # (once per process: where apply() finds the counters)
     lmap = mod.LearnedTable()
     table = mod.MaskTable(bits=64)
-    stats, learned = RouterStats(), LearnedMap(1 << 30)
-    ctx = (0, None, lmap, table, 99, bs, [False], 0, 0, ("GPU",), (0,), (2,), (False,), 1 << 30, stats, learned)
-    out = mod.apply(payload, 0, {}, 0, lambda pod, model, rank: ctx, "probe", None)
+    tally = array("q", [0] * mod.TALLY_SLOTS)
+    tally[8] = 1 << 30  # learned room
+    ctx = (0, lmap, table, 99, bs, [False], 0, 0, ("GPU",), (0,), (2,), (False,), 1 << 30, 1 << 29)
+    out = mod.apply(payload, {0: ctx}, 0, tally)
     keys = chain_py(_PROBE[: n * bs], 99, bs)
     if out is None or out[0] != 0 or [lmap.get(h) for h in hashes] != keys:
         return "apply's key hashing differs from the Python chain"
     if table.items() != [(k, 1) for k in keys]:
         return "the mask table does not hold what apply stored"
-    if (stats.batches, stats.events, stats.blocks_stored, learned.size) != (1, 1, n, n):
-        return "apply's counters are off"
+    if list(tally[:3]) != [1, 1, n] or tally[7] != n:
+        return "apply's counts are off"
     return None
 
 
@@ -83,6 +82,12 @@ def load(chain_py: Callable) -> ModuleType | None:
         return None
     _STATE.update(module=_fastpath, reason="C fast path (consumers._fastpath)")
     return _fastpath
+
+
+def module() -> ModuleType | None:
+    """The loaded extension (None: pure Python or not loaded yet; :mod:`consumers.keys` loads it
+    on import)."""
+    return _STATE["module"]  # type: ignore[return-value]
 
 
 def status() -> str:

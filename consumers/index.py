@@ -28,9 +28,15 @@ budget holds after every ``apply``.
 from __future__ import annotations
 
 import sys
-from itertools import compress, islice, repeat
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from itertools import compress, islice
 
-__all__ = ["BlockIndex", "LearnedMap", "NativeBlockIndex", "make_index"]
+from kvevents.registry import LazyRegistry
+
+from .score import walk
+
+__all__ = ["INDEX_BACKENDS", "BlockIndex", "Index", "make_index"]
 
 _COMPACT_EVERY = 1 << 16
 
@@ -44,7 +50,114 @@ def _compact_bytes(n: int) -> int:
     return size * width + size * 2 // 3 * 24 + 64
 
 
-class BlockIndex:
+class Index(ABC):
+    """The index role: which (endpoint slot, tier) lanes hold each router key.
+
+    A key's *mask* has bit ``tier * cap + slot`` set when endpoint ``slot`` holds that prefix in
+    tier ``tier``. Backends are chosen by ``RouterConfig.index`` through :data:`INDEX_BACKENDS`;
+    a wrapper of the same role (telemetry) may stand in front of one. Every backend passes
+    ``tests/test_index_contract.py``.
+    """
+
+    __slots__ = ()
+    cap: int  #: slots per tier lane
+    max_tiers: int
+    max_entries: int
+    evicted_keys: int
+    evicted_entries: int
+
+    @classmethod
+    def create(cls, max_entries: int, *, max_tiers: int) -> "Index":
+        return cls(max_entries, max_tiers=max_tiers)  # type: ignore[call-arg]
+
+    # --- updates
+    @abstractmethod
+    def add_chain(self, keys: list[int], bit: int, parent: int | None) -> None:
+        """Set ``bit`` on ``keys`` (a chain) and link each key to its predecessor (the first to ``parent``)."""
+
+    @abstractmethod
+    def add(self, keys: list[int], bit: int) -> None:
+        """Set ``bit`` on ``keys`` (no links)."""
+
+    @abstractmethod
+    def remove(self, keys: list[int], bit: int) -> int:
+        """Clear ``bit`` on ``keys``; entries that went away."""
+
+    @abstractmethod
+    def clear_bits(self, bits: int) -> int:
+        """Clear ``bits`` on every key; entries cleared."""
+
+    def clear_slot(self, slot: int) -> int:
+        """Clear every tier's bit of endpoint ``slot`` (a reset, a clear, a purge)."""
+        return self.clear_bits(self.slot_bits(slot))
+
+    @abstractmethod
+    def grow(self, new_cap: int) -> None:
+        """Re-lay the masks for ``new_cap`` slots per tier."""
+
+    @abstractmethod
+    def evict(self) -> None:
+        """Drop least recently stored keys down to the low-water mark."""
+
+    # --- queries
+    @abstractmethod
+    def mask(self, key: int) -> int | None:
+        """The key's mask, None if the key is not indexed."""
+
+    @abstractmethod
+    def match(self, keys: list[int], lanes: list[tuple[int, int]], start: int):
+        """The staged walk of :func:`consumers.score.walk` over this index."""
+
+    @abstractmethod
+    def walk_back(self, key: int, n: int, stop: int | None = None) -> list[int]:
+        """Up to ``n`` keys ending at ``key`` along the parent links, oldest first."""
+
+    @abstractmethod
+    def keys_between(self, key: int, stop: int, limit: int) -> list[int] | None:
+        """The keys after ancestor ``stop`` up to ``key``; None if not within ``limit``."""
+
+    @abstractmethod
+    def items(self) -> Iterator[tuple[int, int, int | None]]:
+        """``(key, mask, parent)`` oldest first (the LRU order): what a snapshot holds."""
+
+    @abstractmethod
+    def load(self, items: Iterable[tuple[int, int, int | None]]) -> None:
+        """Replace the content with ``items`` (``(key, mask, parent)``, oldest first)."""
+
+    @abstractmethod
+    def lane_counts(self, tiers: int) -> list[int]:
+        """Set bits per tier."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def nbytes(self) -> dict[str, int]:
+        """Approximate bytes held: ``{"masks": .., "parents": .., "distinct_masks": n}``."""
+
+    # --- bits
+    def bit(self, tier: int, slot: int) -> int:
+        return 1 << (tier * self.cap + slot)
+
+    def lane(self, tier: int) -> tuple[int, int]:
+        """``(shift, full)``: ``(mask >> shift) & full`` is tier ``tier``'s slot mask."""
+        return tier * self.cap, (1 << self.cap) - 1
+
+    def slot_bits(self, slot: int) -> int:
+        """Every tier's bit of ``slot``."""
+        b = 0
+        for t in range(self.max_tiers):
+            b |= 1 << (t * self.cap + slot)
+        return b
+
+    def stats(self) -> dict[str, int]:
+        return {"entries": self.entries, "keys": len(self), "evicted_keys": self.evicted_keys,  # type: ignore[attr-defined]
+                "evicted_entries": self.evicted_entries}
+
+
+class BlockIndex(Index):
+    """The ``"python"`` backend: masks in a dict of interned ints, parents in a dict."""
+
     __slots__ = (
         "masks",
         "parents",
@@ -80,21 +193,6 @@ class BlockIndex:
 
     def _new_masks(self, cap: int, max_tiers: int):
         return {}
-
-    # --- bits -----------------------------------------------------------------------------
-    def bit(self, tier: int, slot: int) -> int:
-        return 1 << (tier * self.cap + slot)
-
-    def lane(self, tier: int) -> tuple[int, int]:
-        """``(shift, full)``: ``(mask >> shift) & full`` is tier ``tier``'s slot mask."""
-        return tier * self.cap, (1 << self.cap) - 1
-
-    def slot_bits(self, slot: int) -> int:
-        """Every tier's bit of ``slot``."""
-        b = 0
-        for t in range(self.max_tiers):
-            b |= 1 << (t * self.cap + slot)
-        return b
 
     def grow(self, new_cap: int) -> None:
         """Re-lay every mask for ``new_cap`` slots per tier (rare: O(keys))."""
@@ -253,6 +351,37 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self.masks)
 
+    def mask(self, key: int) -> int | None:
+        return self.masks.get(key)
+
+    def match(self, keys: list[int], lanes: list[tuple[int, int]], start: int):
+        return walk(self.masks.get, keys, lanes, start)
+
+    def items(self):
+        parents = self.parents
+        for k, m in list(self.masks.items()):
+            yield k, m, parents.get(k)
+
+    def load(self, items) -> None:
+        self.clear_all()
+        masks, intern, parents = self.masks, self.intern, self.parents
+        n = 0
+        for k, m, p in items:
+            masks[k] = intern.setdefault(m, m)
+            if p is not None:
+                parents[k] = p
+            n += m.bit_count()
+        self.entries = n
+
+    def clear_all(self) -> None:
+        self.masks = self._new_masks(self.cap, self.max_tiers)
+        self.parents = {}
+        self.intern = {}
+        self.entries = 0
+
+    def nbytes(self) -> dict[str, int]:
+        return {"masks": self.masks_nbytes(), "parents": self.parents_nbytes(), "distinct_masks": self.distinct_masks()}
+
     # --- introspection ---------------------------------------------------------------------
     def lane_counts(self, tiers: int) -> list[int]:
         """Set bits (entries) per tier."""
@@ -279,151 +408,17 @@ class BlockIndex:
         return sys.getsizeof(self.parents)
 
 
-class NativeBlockIndex(BlockIndex):
-    """The same index with its masks in C (``consumers._fastpath.MaskTable``).
-
-    ``masks`` is a MaskTable: fixed-width bit words per key, LRU-linked, in an open-addressing
-    table, read through the mapping interface (``get``, ``[]``, ``in``, ``len``, iteration
-    oldest first, ``values``) with Python ints as values, so scoring and ``explain`` read it
-    as they read the dict. No mask objects exist, so nothing is interned and nothing needs
-    compacting. Used whenever the C extension is built; the C ingest path writes to it
-    directly. The parent links live in the table's entries too (``parents`` is a snapshot).
-    """
-
-    __slots__ = ("_table",)
-
-    def __init__(self, max_entries: int = 1 << 22, *, cap: int = 64, max_tiers: int = 4, table: type) -> None:
-        self._table = table
-        super().__init__(max_entries, cap=cap, max_tiers=max_tiers)
-
-    def _new_masks(self, cap: int, max_tiers: int):
-        return self._table(bits=cap * max_tiers)
-
-    @property  # type: ignore[override]
-    def entries(self) -> int:
-        """Set bits over every key, counted by the table itself (the C ingest path updates it)."""
-        return self.masks.entries  # type: ignore[attr-defined]
-
-    @entries.setter
-    def entries(self, value: int) -> None:
-        self.masks.entries = value  # type: ignore[attr-defined]
-
-    def grow(self, new_cap: int) -> None:
-        old = self.cap
-        if new_cap <= old:
-            return
-        self.masks.grow(old, new_cap, self.max_tiers)  # type: ignore[attr-defined]
-        self.cap = new_cap
-
-    def reintern(self) -> None:  # no mask objects to share
-        return None
-
-    def compact(self, force: bool = False) -> bool:  # no deleted slots to shed
-        self.moves = 0
-        return False
-
-    def _added(self, new: int, moved: int) -> None:  # the table has counted the new entries
-        if self.masks.entries > self.max_entries or len(self.masks) > self.max_entries:  # type: ignore[attr-defined]
-            self.evict()
-
-    def _set(self, keys: list[int], bit: int) -> None:
-        self._added(self.masks.set_bit(keys, bit.bit_length() - 1), len(keys))  # type: ignore[attr-defined]
-
-    def add_chain(self, keys: list[int], bit: int, parent: int | None) -> None:
-        self._added(self.masks.set_chain(keys, bit.bit_length() - 1, parent), len(keys))  # type: ignore[attr-defined]
-
-    @property  # type: ignore[override]
-    def parents(self) -> dict[int, int]:
-        """A snapshot ``{key: parent}``: the links live in the table's entries."""
-        return self.masks.parents()  # type: ignore[attr-defined]
-
-    @parents.setter
-    def parents(self, value: object) -> None:  # (the base class's __init__ sets a dict: ignored)
-        return None
-
-    def walk_back(self, key: int, n: int, stop: int | None = None) -> list[int]:
-        return self.masks.walk_back(key, n, stop)  # type: ignore[attr-defined]
-
-    def keys_between(self, key: int, stop: int, limit: int) -> list[int] | None:
-        return self.masks.keys_between(key, stop, limit)  # type: ignore[attr-defined]
-
-    def parents_nbytes(self) -> int:
-        return 0  # inside masks_nbytes()
-
-    def remove(self, keys: list[int], bit: int) -> int:
-        return self.masks.clear_bit(keys, bit.bit_length() - 1)  # type: ignore[attr-defined]
-
-    def clear_bits(self, bits: int) -> int:
-        return self.masks.clear_bits([i for i in range(bits.bit_length()) if bits >> i & 1])  # type: ignore[attr-defined]
-
-    def evict(self) -> None:
-        keys, dropped = self.masks.evict(self.low_water)  # type: ignore[attr-defined]
-        self.evicted_entries += dropped
-        self.evicted_keys += len(keys)
-
-    def lane_counts(self, tiers: int) -> list[int]:
-        return self.masks.lane_counts(self.cap, tiers)  # type: ignore[attr-defined]
-
-    def masks_nbytes(self) -> int:
-        return self.masks.nbytes()  # type: ignore[attr-defined]
-
-    def distinct_masks(self) -> int:
-        return len(set(self.masks.values()))  # type: ignore[attr-defined]
 
 
-def make_index(max_entries: int, *, max_tiers: int, fast: object) -> BlockIndex:
-    """The C-backed index where the extension is in use (``fast``), else the dict one."""
-    table = getattr(fast, "MaskTable", None)
-    if table is not None:
-        return NativeBlockIndex(max_entries, max_tiers=max_tiers, table=table)
-    return BlockIndex(max_entries, max_tiers=max_tiers)
+#: index backends by name (``RouterConfig.index``); plug a new one in with ``INDEX_BACKENDS.register``
+INDEX_BACKENDS = LazyRegistry("index backend", {
+    "python": ("consumers.index", "BlockIndex"),
+    "native": ("consumers.nativeindex", "NativeBlockIndex"),
+}, base=Index, hint=" (or 'auto': native where the C extension is in use, else python)")
 
 
-class LearnedMap:
-    """Engine block hash -> router key, one map per model, bounded (oldest learned go first).
-
-    A map is a dict, or where the C extension is built a ``LearnedTable`` (the same mapping
-    with the int keys and values stored inline: fewer cache misses per lookup)."""
-
-    __slots__ = ("maps", "odd", "size", "max_size", "evicted", "table")
-
-    def __init__(self, max_size: int, *, table: type | None = None) -> None:
-        self.maps: dict[str, dict[object, object]] = {}
-        #: per model, ``[True]`` once its map holds a non-int value (lets the common path skip
-        #: type checks); shared by reference with the model's endpoints
-        self.odd: dict[str, list[bool]] = {}
-        self.size = 0
-        self.max_size = max_size
-        self.evicted = 0
-        self.table = table
-
-    def for_model(self, model: str) -> dict[object, object]:
-        m = self.maps.get(model)
-        if m is None:
-            m = self.maps[model] = {} if self.table is None else self.table()
-            self.odd[model] = [False]
-        return m
-
-    def recount(self) -> None:
-        self.size = sum(len(m) for m in self.maps.values())
-        if self.size > self.max_size:
-            self._evict()
-
-    def _evict(self) -> None:
-        low = self.max_size - max(1, self.max_size // 64)
-        while self.size > low:
-            biggest = max(self.maps.values(), key=len)
-            n = min(len(biggest), self.size - low)
-            oldest = biggest.oldest(n) if hasattr(biggest, "oldest") else list(islice(biggest, n))
-            for h in oldest:
-                del biggest[h]
-            self.size -= n
-            self.evicted += n
-
-    def nbytes(self) -> int:
-        """Bytes of every map (dicts: the dict and 28 bytes per key int)."""
-        total = 0
-        for m in list(self.maps.values()):
-            nb = getattr(m, "nbytes", None)
-            total += nb() if nb is not None else sys.getsizeof(m) + sum(map(sys.getsizeof, m))
-        return total
+def make_index(name: str, max_entries: int, *, max_tiers: int, native: bool) -> Index:
+    """The backend ``name`` (``"auto"``: ``"native"`` if ``native``, else ``"python"``)."""
+    if name == "auto":
+        name = "native" if native else "python"
+    return INDEX_BACKENDS.get(name).create(max_entries, max_tiers=max_tiers)

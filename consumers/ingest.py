@@ -1,49 +1,27 @@
-"""Applying events to the index: the part of KVRouter that learns, joins and removes.
+"""The Ingestor: events -> index operations.
 
-Kept apart from :mod:`consumers.router` (endpoints, lifecycle, scoring entry points) so
-each stays small. :class:`IngestMixin` works on the attributes KVRouter sets up.
+It owns what joining needs: the learned engine-hash maps (through the endpoints' maps), the
+offload events waiting for their GPU event (pending joins), and the counters of what it did.
+:class:`Ingestor` is the pure-Python path; :class:`consumers.nativeingest.NativeIngestor` is
+the same interface with the common events of an encoded batch applied in C. Storing a GPU
+block (token ids -> keys -> index chain) has one Python place: :meth:`Ingestor._store_tokens`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from math import gcd
-from typing import TYPE_CHECKING
 
-from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvevents.codec import decode_batch
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
+from .endpoints import Endpoint, Endpoints
+from .index import Index
 from .keys import chain_keys, model_seed
-from .router_config import RouterInputError
+from .learned import LearnedMap
+from .router_config import RouterConfig, RouterInputError, RouterStats
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .index import BlockIndex, LearnedMap
-    from .router_config import RouterConfig, RouterStats
-
-__all__ = ["Endpoint", "IngestMixin"]
-
-
-class Endpoint:
-    """One engine: a pod's data-parallel rank. Owns one slot (bit lane) in the index."""
-
-    __slots__ = ("pod", "rank", "slot", "model", "lmap", "odd", "seed", "block_size", "chunk_keys",
-                 "odd_chunks", "token_tiers", "unreliable")
-
-    def __init__(self, pod: str, rank: int, slot: int, model: str, lmap: dict, odd: list) -> None:
-        self.pod = pod
-        self.rank = rank
-        self.slot = slot
-        self.model = model
-        self.lmap = lmap  #: the model's engine-hash -> key map (shared by every endpoint of the model)
-        self.odd = odd  #: [True] once the model's map holds a non-int (partial block) value
-        self.seed = model_seed(model)  #: chain seed without LoRA
-        self.block_size = 0  #: engine block size, learned from token-carrying events
-        self.chunk_keys: dict[int, int] = {}  #: tier -> keys per offloaded chunk (inferred)
-        self.odd_chunks: dict[int, dict[object, int]] = {}  #: tier -> chunk hash -> keys, if not the default
-        self.token_tiers: set[int] = set()  #: tiers whose stores carried tokens
-        self.unreliable = False
-
-    def __repr__(self) -> str:
-        return f"Endpoint({self.pod!r}, rank={self.rank}, slot={self.slot}, model={self.model!r})"
+__all__ = ["Ingestor"]
 
 
 def _lora(ev: BlockStored) -> str | None:
@@ -52,36 +30,74 @@ def _lora(ev: BlockStored) -> str | None:
     return None if ev.lora_id is None else f"lora-id:{ev.lora_id}"
 
 
-class IngestMixin:
-    _cfg: RouterConfig
-    _index: BlockIndex
-    _learned: LearnedMap
-    stats: RouterStats
-    _bs: int
-    _tiers: dict[str, int]
-    _tier_names: list[str]
-    _slots: dict[int, Endpoint]
-    _pending: OrderedDict
-    _pending_by_hash: dict[object, list]
-    _gen: int
-    _py_touch: int
+class Ingestor:
+    """Applies batches to the index for the endpoints of one router."""
 
-    # --- helpers --------------------------------------------------------------------------
-    def _error(self, kind: str, msg: str, strict: bool) -> None:
-        self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
+    native = False  #: whether encoded batches are applied in C (NativeIngestor)
+
+    def __init__(self, config: RouterConfig, endpoints: Endpoints, index: Index, learned: LearnedMap,
+                 stats: RouterStats) -> None:
+        self._cfg = config
+        self._bs = config.block_size
+        self.eps = endpoints
+        self._index = index
+        self._learned = learned
+        self._stats = stats
+        self._slots = endpoints.slots
+        self._tier_names = endpoints.tier_names
+        self.pending: OrderedDict = OrderedDict()  #: (hash, slot, tier) -> batch number it was held at
+        self.pending_by_hash: dict[object, list] = {}
+
+    # --- the interface ----------------------------------------------------------------------
+    def sync(self) -> None:
+        """Bring ``stats`` and the learned/index counters up to date (the C path tallies apart)."""
+
+    def apply(self, pod: str, batch: KVEventBatch, *, model: str | None = None, strict: bool = False) -> None:
+        """One decoded batch from ``pod`` (its ``data_parallel_rank`` picks the endpoint)."""
+        if type(batch) is not KVEventBatch and not isinstance(batch, KVEventBatch):
+            raise TypeError(f"apply expects a KVEventBatch, got {type(batch).__name__}")
+        self.sync()
+        rank = batch.data_parallel_rank
+        ep = self.eps.by_key.get((pod, rank or 0))
+        if ep is None:
+            ep = self.eps.get(pod, rank, model)
+        self._stats.batches += 1
+        lmap = ep.lmap
+        n0 = len(lmap)
+        self.apply_events(ep, batch.events, strict)
+        if self.pending:
+            self._expire_pending()
+        learned = self._learned
+        learned.size += len(lmap) - n0
+        if learned.size > learned.max_size:
+            learned.recount()
+        self.learned_changed()
+
+    def apply_payload(self, pod: str, payload: bytes, *, model: str | None = None, strict: bool = False) -> None:
+        """One encoded batch: ``apply(pod, decode_batch(payload))`` (one decode)."""
+        self.apply(pod, decode_batch(payload), model=model, strict=strict)
+
+    def learned_changed(self) -> None:
+        """Hook: the learned maps' size moved on the Python path."""
+
+    def clear_endpoint(self, ep: Endpoint) -> None:
+        """Drop everything ``ep`` holds: its index bits, its pending joins, its odd chunks."""
+        self.sync()
+        self.eps.touch += 1
+        self._index.clear_slot(ep.slot)
+        self._drop_pending_of(ep.slot)
+        ep.odd_chunks.clear()
+        if ep.unreliable:
+            ep.unreliable = False
+            self.eps.gen += 1
+
+    def forget_pod(self, pod: str) -> None:
+        """``pod`` was removed (caches of its endpoints go)."""
+
+    def error(self, kind: str, msg: str, strict: bool) -> None:
+        self._stats.errors[kind] = self._stats.errors.get(kind, 0) + 1
         if strict:
             raise RouterInputError(msg)
-
-    def _tier(self, medium: str | None) -> int:
-        name = "GPU" if medium is None else medium
-        t = self._tiers.get(name)
-        if t is None:
-            if len(self._tiers) >= self._cfg.max_tiers:
-                return -1
-            t = self._tiers[name] = len(self._tiers)
-            self._tier_names.append(name)
-            self._py_touch += 1
-        return t
 
     def _block_keys(self, ep: Endpoint, v: object) -> tuple[int | None, int]:
         """(last complete key, keys completed) of an engine block's learned value."""
@@ -91,15 +107,15 @@ class IngestMixin:
         return (k if n else None), n
 
     # --- one batch ------------------------------------------------------------------------
-    def _apply_events(self, ep: Endpoint, events: list, strict: bool) -> None:
+    def apply_events(self, ep: Endpoint, events: list, strict: bool) -> None:
         """Apply one batch's events. The common shapes (engine block = canonical block,
         offload chunk = one block, every hash known) run inline; the rest goes to the
         general methods below."""
-        stats = self.stats
+        stats = self._stats
         stats.events += len(events)
-        self._py_touch += 1  # the C fast path's cached per-endpoint context may be stale now
+        self.eps.touch += 1  # the C fast path's cached per-endpoint context may be stale now
         groups = self._cfg.groups
-        tiers = self._tiers
+        tiers = self.eps.tiers
         index = self._index
         C = self._bs
         lmap = ep.lmap
@@ -114,10 +130,10 @@ class IngestMixin:
                 medium = ev.medium
                 tier = tiers.get("GPU" if medium is None else medium)
                 if tier is None:
-                    tier = self._tier(medium)
+                    tier = self.eps.tier(medium)
                     if tier < 0:  # (a removal from a tier never indexed has nothing to remove)
                         if cls is BlockStored:
-                            self._error("too_many_tiers", f"pod {ep.pod!r}: medium {medium!r} is one tier too "
+                            self.error("too_many_tiers", f"pod {ep.pod!r}: medium {medium!r} is one tier too "
                                         f"many (max_tiers={self._cfg.max_tiers})", strict)
                         continue
                 if cls is BlockRemoved:
@@ -126,32 +142,6 @@ class IngestMixin:
                 hashes = ev.block_hashes
                 toks = ev.token_ids
                 if toks:
-                    n = len(hashes)
-                    ph = ev.parent_block_hash
-                    if ev.block_size == C and n and len(toks) == n * C:
-                        if ph is None:
-                            pv = ep.seed if ev.lora_name is None and ev.lora_id is None else \
-                                model_seed(ep.model, _lora(ev))
-                        else:
-                            pv = lget(ph)
-                        if type(pv) is int:
-                            keys = None
-                            if hashes[0] in lmap:  # already learned (e.g. from another pod): no hashing
-                                keys = list(map(lget, hashes))
-                                if None in keys or (odd[0] and not all(type(k) is int for k in keys)):
-                                    keys = None
-                            if keys is None:
-                                keys = chain_keys(toks, pv, C)
-                                lmap.update(zip(hashes, keys))
-                            if ep.block_size != C:
-                                ep.block_size = C
-                            if tier not in ep.token_tiers:
-                                ep.token_tiers.add(tier)
-                            stats.blocks_stored += n
-                            index.add_chain(keys, 1 << (tier * index.cap + ep.slot), None if ph is None else pv)
-                            if self._pending_by_hash:
-                                self._resolve_pending(ep.model, hashes)
-                            continue
                     self._store_tokens(ep, ev, tier, strict)
                     continue
                 # offload store: no tokens; join by engine hash
@@ -173,32 +163,35 @@ class IngestMixin:
                 self._store_offload(ep, hashes, tier)
             elif cls is AllBlocksCleared:
                 stats.clears += 1
-                self._clear_endpoint(ep)
+                self.clear_endpoint(ep)
             else:
-                self._error("unknown_event", f"pod {ep.pod!r}: not a KV event: {cls.__name__}", strict)
+                self.error("unknown_event", f"pod {ep.pod!r}: not a KV event: {cls.__name__}", strict)
 
     # --- GPU-style stores (tokens) ----------------------------------------------------------
     def _store_tokens(self, ep: Endpoint, ev: BlockStored, tier: int, strict: bool) -> None:
+        """Store a token-carrying block: THE Python place (the C path does the canonical case
+        of this, checked against it by tests/test_router_fastpath.py)."""
         hashes = ev.block_hashes
         toks = ev.token_ids
         E = ev.block_size
         n = len(hashes)
         if E <= 0 or n == 0 or len(toks) != n * E:
-            self._error("bad_block_stored", f"pod {ep.pod!r}: BlockStored with {n} hashes, block_size {E} and "
+            self.error("bad_block_stored", f"pod {ep.pod!r}: BlockStored with {n} hashes, block_size {E} and "
                         f"{len(toks)} token ids (want hashes * block_size)", strict)
             return
         C = self._bs
         lmap = ep.lmap
         ph = ev.parent_block_hash
-        seed = model_seed(ep.model, _lora(ev))
+        seed = ep.seed if ev.lora_name is None and ev.lora_id is None else model_seed(ep.model, _lora(ev))
         if ph is None:
             pv: object = seed
         else:
             pv = lmap.get(ph)
             if pv is None:
-                self.stats.orphan_blocks += n
+                self._stats.orphan_blocks += n
                 return
-        ep.block_size = E
+        if ep.block_size != E:
+            ep.block_size = E
         if tier not in ep.token_tiers:
             ep.token_tiers.add(tier)
         if E % C == 0 and type(pv) is int:
@@ -206,24 +199,24 @@ class IngestMixin:
             keys = None
             if m == 1 and hashes[0] in lmap:  # already learned (e.g. from another pod): no hashing
                 keys = list(map(lmap.get, hashes))
-                if None in keys or type(keys[-1]) is not int:
+                if None in keys or (ep.odd[0] and not all(type(k) is int for k in keys)):
                     keys = None
             if keys is None:
                 keys = chain_keys(toks, pv, C)  # type: ignore[arg-type]
                 lmap.update(zip(hashes, keys if m == 1 else keys[m - 1 :: m]))
             parent = None if ph is None else pv
-            self.stats.blocks_stored += n
+            self._stats.blocks_stored += n
             self._index.add_chain(keys, 1 << (tier * self._index.cap + ep.slot), parent)  # type: ignore[arg-type]
-            if self._pending_by_hash:
+            if self.pending_by_hash:
                 self._resolve_pending(ep.model, hashes)
             return
         else:
             keys, parent = self._store_general(lmap, hashes, toks, E, pv, seed)
             ep.odd[0] = True
-        self.stats.blocks_stored += n
+        self._stats.blocks_stored += n
         if keys:
             self._index.add_chain(keys, 1 << (tier * self._index.cap + ep.slot), parent)  # type: ignore[arg-type]
-        if self._pending_by_hash:
+        if self.pending_by_hash:
             self._resolve_pending(ep.model, hashes)
 
     def _store_general(self, lmap: dict, hashes: list, toks: list, E: int, pv: object, seed: int):
@@ -288,7 +281,7 @@ class IngestMixin:
 
     def _join(self, ep: Endpoint, tier: int, h: object) -> None:
         k, n = self._block_keys(ep, ep.lmap[h])
-        self.stats.offload_blocks += 1
+        self._stats.offload_blocks += 1
         if k is None:
             return
         index = self._index
@@ -301,31 +294,31 @@ class IngestMixin:
     # --- pending offload events -----------------------------------------------------------
     def _hold(self, ep: Endpoint, tier: int, h: object) -> None:
         key = (h, ep.slot, tier)
-        pending = self._pending
+        pending = self.pending
         if key in pending:
             pending.move_to_end(key)
-            pending[key] = self.stats.batches
+            pending[key] = self._stats.batches
             return
         if len(pending) >= self._cfg.pending_capacity:
             old, _ = pending.popitem(last=False)
             self._unlink_pending(old)
-            self.stats.pending_dropped += 1
-        pending[key] = self.stats.batches
-        self._pending_by_hash.setdefault(h, []).append(key)
-        self.stats.pending_held += 1
+            self._stats.pending_dropped += 1
+        pending[key] = self._stats.batches
+        self.pending_by_hash.setdefault(h, []).append(key)
+        self._stats.pending_held += 1
 
     def _unlink_pending(self, key: tuple) -> None:
-        lst = self._pending_by_hash.get(key[0])
+        lst = self.pending_by_hash.get(key[0])
         if lst is not None:
             try:
                 lst.remove(key)
             except ValueError:
                 pass
             if not lst:
-                del self._pending_by_hash[key[0]]
+                del self.pending_by_hash[key[0]]
 
     def _resolve_pending(self, model: str, hashes: list) -> None:
-        by_hash = self._pending_by_hash
+        by_hash = self.pending_by_hash
         for h in hashes:
             lst = by_hash.get(h)
             if not lst:
@@ -334,30 +327,30 @@ class IngestMixin:
                 ep = self._slots.get(key[1])
                 if ep is None or ep.model != model or h not in ep.lmap:
                     continue
-                del self._pending[key]
+                del self.pending[key]
                 lst.remove(key)
-                self.stats.pending_resolved += 1
-                self.stats.offload_blocks -= 1  # _join counts it again
+                self._stats.pending_resolved += 1
+                self._stats.offload_blocks -= 1  # _join counts it again
                 self._join(ep, key[2], h)
             if not lst:
                 del by_hash[h]
 
     def _expire_pending(self) -> None:
-        pending = self._pending
-        horizon = self.stats.batches - self._cfg.pending_max_batches
+        pending = self.pending
+        horizon = self._stats.batches - self._cfg.pending_max_batches
         while pending:
             key = next(iter(pending))
             if pending[key] >= horizon:
                 break
             del pending[key]
             self._unlink_pending(key)
-            self.stats.pending_expired += 1
+            self._stats.pending_expired += 1
 
     def _drop_pending_of(self, slot: int) -> None:
-        for key in [k for k in self._pending if k[1] == slot]:
-            del self._pending[key]
+        for key in [k for k in self.pending if k[1] == slot]:
+            del self.pending[key]
             self._unlink_pending(key)
-            self.stats.pending_cancelled += 1
+            self._stats.pending_cancelled += 1
 
     # --- removals -------------------------------------------------------------------------
     def _remove(self, ep: Endpoint, hashes: list, tier: int) -> None:
@@ -369,15 +362,15 @@ class IngestMixin:
         for h in hashes:
             v = lmap.get(h)
             key = (h, ep.slot, tier)
-            if key in self._pending:
-                del self._pending[key]
+            if key in self.pending:
+                del self.pending[key]
                 self._unlink_pending(key)
-                self.stats.pending_cancelled += 1
+                self._stats.pending_cancelled += 1
                 continue
             if v is None:
-                self.stats.remove_unknown += 1
+                self._stats.remove_unknown += 1
                 continue
-            self.stats.blocks_removed += 1
+            self._stats.blocks_removed += 1
             k, n = self._block_keys(ep, v)
             if k is None:
                 continue
@@ -387,12 +380,3 @@ class IngestMixin:
                 nk = odd.pop(h, None) if odd else None
                 keys = index.walk_back(k, nk or self._chunk_default(ep, tier, n))
             index.remove(keys, bit)
-
-    def _clear_endpoint(self, ep: Endpoint) -> None:
-        self._py_touch += 1
-        self._index.clear_bits(self._index.slot_bits(ep.slot))
-        self._drop_pending_of(ep.slot)
-        ep.odd_chunks.clear()
-        if ep.unreliable:
-            ep.unreliable = False
-            self._gen += 1

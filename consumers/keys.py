@@ -36,6 +36,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from . import _accel
+
 __all__ = ["DEFAULT_BLOCK_SIZE", "KEY_MASK", "model_seed", "chain_keys", "chain_keys_py", "request_keys",
            "as_token_list"]
 
@@ -71,8 +73,6 @@ def chain_keys_py(tokens: Sequence[int], parent: int, block_size: int) -> list[i
         append(k)
     return out
 
-
-from . import _accel  # noqa: E402  (needs chain_keys_py above)
 
 _FAST = _accel.load(chain_keys_py)
 #: Keys of every full ``block_size`` block of ``tokens``, chained on from ``parent``.

@@ -56,6 +56,9 @@ class RouterConfig:
     max_chunk_keys: int = 1024
     #: health() is polled every this many deliveries in run()
     health_every: int = 64
+    #: index backend (consumers.index.INDEX_BACKENDS): "native" (the C mask table), "python",
+    #: or "auto" (native where the C extension is in use)
+    index: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_entries", "pending_capacity", "pending_max_batches", "max_tiers",
@@ -63,6 +66,8 @@ class RouterConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"RouterConfig.{name} must be a positive int, got {v!r}")
+        if not isinstance(self.index, str) or not self.index:
+            raise ConfigError(f"RouterConfig.index must be a backend name, got {self.index!r}")
         if self.max_learned is not None and self.max_learned <= 0:
             raise ConfigError(f"RouterConfig.max_learned must be > 0, got {self.max_learned!r}")
         for medium, n in self.offload_chunk_blocks.items():

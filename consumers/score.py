@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from itertools import compress, islice, repeat
 from operator import ne
 
-__all__ = ["Score", "TierMatch", "Explanation", "walk"]
+__all__ = ["Score", "TierMatch", "Explanation", "best", "better", "walk"]
 
 
 @dataclass(slots=True)
@@ -52,6 +52,21 @@ class Explanation:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+def better(s: Score, than: Score | None) -> bool:
+    """THE pick tie-break: a higher total wins, then a lower load, then the pod name."""
+    return than is None or s.total > than.total or (
+        s.total == than.total and (s.load < than.load or (s.load == than.load and s.pod < than.pod)))
+
+
+def best(scores) -> Score | None:
+    """The score ``pick()`` chooses among ``scores`` (a mapping or an iterable of Score)."""
+    top = None
+    for s in (scores.values() if hasattr(scores, "values") else scores):
+        if better(s, top):
+            top = s
+    return top
+
+
 def _bits(x: int):
     while x:
         low = x & -x
@@ -59,8 +74,8 @@ def _bits(x: int):
         x ^= low
 
 
-def walk(masks: dict[int, int], keys: list[int], lanes: list[tuple[int, int]], start: int):
-    """Run the staged walk. ``lanes``: per stage ``(shift, full)``; ``start``: slot mask of
+def walk(get, keys: list[int], lanes: list[tuple[int, int]], start: int):
+    """Run the staged walk over the masks ``get(key, 0)`` returns. ``lanes``: per stage ``(shift, full)``; ``start``: slot mask of
     the endpoints taking part. Returns ``(segments, ends)``: slot -> [(stage, first_block)],
     slot -> number of blocks matched (endpoints matching nothing are absent).
 
@@ -71,7 +86,7 @@ def walk(masks: dict[int, int], keys: list[int], lanes: list[tuple[int, int]], s
     ends: dict[int, int] = {}
     if not n or not start:
         return segments, ends
-    ms = list(map(masks.get, keys, repeat(0)))
+    ms = list(map(get, keys, repeat(0)))
     change = [0]
     change.extend(compress(range(1, n), map(ne, ms, islice(ms, 1, None))))
     T = len(lanes)

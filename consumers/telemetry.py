@@ -14,7 +14,8 @@ complete the same traces; RESET and GAP deliveries (rare) are always traced. Sco
 taken by a call counter. The decision comes first: an untraced call makes no OpenTelemetry
 call, builds no attribute dict and captures no context.
 
-Both install instance attributes over the router's own methods; ``close()`` removes them.
+Both are wrappers of the router's parts' roles (a traced scorer, a traced feed) put in its
+``scorer`` / ``feed`` places; ``close()`` puts the originals back. Nothing reads private state.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from kvevents.telemetry.instruments import Observation, attribute_cache, get_met
 from kvevents.telemetry.messaging import MESSAGES, SYSTEM, MessageRegistry, message_id
 from kvevents.telemetry.sampling import resolve_sample_every
 
+from .score import best
+
+_pick = best
+
 __all__ = ["RouterProbe", "instrument_router", "observe_router"]
 
 _PROBE = "_kvevents_router_probe"
@@ -40,7 +45,8 @@ _UNJOINED = {"held": "pending_held", "resolved": "pending_resolved", "expired": 
 
 
 class RouterProbe:
-    """The tracing wrappers over ``score`` and ``handle`` (lookups and matched tokens are the
+    """The tracing wrappers: a :class:`TracedScorer` in place of the router's scorer and a
+    :class:`TracedFeed` in place of its delivery feed (lookups and matched tokens are the
     router's own plain counters, read by :func:`observe_router`: no wrapper needed for them)."""
 
     def __init__(self, router: Any) -> None:
@@ -49,27 +55,10 @@ class RouterProbe:
         self.registry: MessageRegistry = MESSAGES
         self.every = 1  #: deliveries traced iff seq % every == 0; score calls one in every
         self.score_calls = 0  #: score calls seen while tracing (the score sampler's counter)
-        orig_score = router.score
-        orig_handle = router.handle
-        batch_kind = DeliveryKind.BATCH
-
-        # *args/**kw pass-through: rebinding score()'s keyword-only parameters costs more than
-        # the sampling check itself
-        def score(*args, **kw):
-            if self.tracer is not None:
-                n = self.score_calls
-                self.score_calls = n + 1
-                if n % self.every == 0:
-                    return self._traced_score(orig_score, args, kw)
-            return orig_score(*args, **kw)
-
-        def handle(delivery):
-            if self.tracer is None or (delivery.seq % self.every and delivery.kind is batch_kind):
-                return orig_handle(delivery)
-            return self._traced_handle(orig_handle, delivery)
-
-        router.__dict__["score"] = score
-        router.__dict__["handle"] = handle
+        self.scorer = TracedScorer(router.scorer, self)
+        self.feed = TracedFeed(router.feed, self)
+        router.scorer = self.scorer
+        router.feed = self.feed
 
     # The sampled spans are made after the call, with its start time: neither call has child
     # spans, so no context is attached and no context manager runs (a rare, cold span is
@@ -83,7 +72,7 @@ class RouterProbe:
         except BaseException as exc:
             self._error_span("kvevents.router.score", t0, None, {}, exc)
             raise
-        best = _best(scores)
+        best = _pick(scores)
         attrs = {"kvevents.router.prompt_tokens": len(tokens), "kvevents.router.pods": len(scores)}
         if best is not None:
             attrs["kvevents.router.best_pod"] = best.pod
@@ -132,26 +121,62 @@ class RouterProbe:
 
     def maybe_close(self) -> None:
         if self.tracer is None:
-            for name in ("score", "handle"):
-                self.router.__dict__.pop(name, None)
-            self.router.__dict__.pop(_PROBE, None)
+            r = self.router
+            if r.scorer is self.scorer:
+                r.scorer = self.scorer.inner
+            if r.feed is self.feed:
+                r.feed = self.feed.inner
+            _PROBES.pop(id(r), None)
 
 
-def _best(scores: dict):
-    """The pod ``pick()`` would choose: highest total, then lower load, then name (one pass,
-    no key tuples: it runs per lookup)."""
-    best = None
-    for s in scores.values():
-        if best is None or s.total > best.total or (
-                s.total == best.total and (s.load < best.load or (s.load == best.load and s.pod < best.pod))):
-            best = s
-    return best
+class TracedScorer:
+    """The Scorer role with a ``kvevents.router.score`` span for one call in ``every``."""
+
+    def __init__(self, inner: Any, probe: RouterProbe) -> None:
+        self.inner = inner
+        self.probe = probe
+
+    # *args/**kw pass-through: rebinding score()'s keyword-only parameters costs more than
+    # the sampling check itself
+    def score(self, *args, **kw):
+        p = self.probe
+        if p.tracer is not None:
+            n = p.score_calls
+            p.score_calls = n + 1
+            if n % p.every == 0:
+                return p._traced_score(self.inner.score, args, kw)
+        return self.inner.score(*args, **kw)
+
+    def pick(self, *args, **kw):
+        top = best(self.score(*args, **kw))
+        return None if top is None else top.pod
+
+    def explain(self, *args, **kw):
+        return self.inner.explain(*args, **kw)
+
+
+class TracedFeed:
+    """The delivery feed with a ``process <topic>`` span per sampled delivery."""
+
+    def __init__(self, inner: Any, probe: RouterProbe) -> None:
+        self.inner = inner
+        self.probe = probe
+        self._batch = DeliveryKind.BATCH
+
+    def handle(self, router: Any, delivery: Any) -> None:
+        p = self.probe
+        if p.tracer is None or (delivery.seq % p.every and delivery.kind is self._batch):
+            return self.inner.handle(router, delivery)
+        return p._traced_handle(lambda d: self.inner.handle(router, d), delivery)
+
+
+_PROBES: dict[int, RouterProbe] = {}
 
 
 def _probe(router: Any) -> RouterProbe:
-    p = router.__dict__.get(_PROBE)
-    if p is None:
-        p = router.__dict__[_PROBE] = RouterProbe(router)
+    p = _PROBES.get(id(router))
+    if p is None or p.router is not router:
+        p = _PROBES[id(router)] = RouterProbe(router)
     return p
 
 
@@ -176,12 +201,9 @@ class _IndexScan:
 
     def _scan(self) -> None:
         r = self.router
-        index = r._index
-        tiers = list(r._tiers.items())  # name -> lane
-        lanes = index.lane_counts(len(tiers))
-        counts = {name: lanes[t] for name, t in tiers}
-        total = index.masks_nbytes() + index.parents_nbytes()
-        total += r._learned.nbytes()
+        counts = r.entries_by_tier()
+        mem = r.memory_report()
+        total = mem["bytes_masks"] + mem["bytes_parents"] + mem["bytes_learned"]
         n = sum(counts.values()) or 1
         self.entries = counts
         self.nbytes = {name: int(total * c / n) for name, c in counts.items()}
@@ -193,7 +215,6 @@ def observe_router(router: Any, meter: Meter | None = None, *, refresh_interval:
     meter = get_meter(meter)
     extra = dict(attributes or {})
     obs = Observation(router)
-    stats = router.stats
     base = dict(extra)
     scan = _IndexScan(router, refresh_interval)
     a = attribute_cache(extra)
@@ -203,21 +224,22 @@ def observe_router(router: Any, meter: Meter | None = None, *, refresh_interval:
 
     obs.add(meter, "kvevents.router.entries", lambda: [(n, a(tier=t)) for t, n in scan.get()[0].items()])
     obs.add(meter, "kvevents.router.index.size", lambda: [(n, a(tier=t)) for t, n in scan.get()[1].items()])
-    obs.add(meter, "kvevents.router.batches", simple(lambda: stats.batches))
-    obs.add(meter, "kvevents.router.events", simple(lambda: stats.events))
-    obs.add(meter, "kvevents.router.lookups", simple(lambda: stats.lookups))
-    obs.add(meter, "kvevents.router.prompt.tokens", simple(lambda: stats.prompt_tokens))
+    obs.add(meter, "kvevents.router.batches", simple(lambda: router.stats.batches))
+    obs.add(meter, "kvevents.router.events", simple(lambda: router.stats.events))
+    obs.add(meter, "kvevents.router.lookups", simple(lambda: router.stats.lookups))
+    obs.add(meter, "kvevents.router.prompt.tokens", simple(lambda: router.stats.prompt_tokens))
     obs.add(meter, "kvevents.router.matched.tokens",
-            lambda: [(n, a(tier=t)) for t, n in list(stats.matched_tokens.items())])
+            lambda: [(n, a(tier=t)) for t, n in list(router.stats.matched_tokens.items())])
     obs.add(meter, "kvevents.router.offload.unjoined",
-            lambda: [(getattr(stats, f), a(outcome=o)) for o, f in _UNJOINED.items()])
-    obs.add(meter, "kvevents.router.offload.pending", simple(lambda: len(router._pending)))
-    obs.add(meter, "kvevents.router.evicted", simple(lambda: router._index.evicted_entries))
+            lambda: [(getattr(s, f), a(outcome=o)) for s in (router.stats,) for o, f in _UNJOINED.items()])
+    obs.add(meter, "kvevents.router.offload.pending", simple(lambda: router.counters()["pending"]))
+    obs.add(meter, "kvevents.router.evicted", simple(lambda: router.index.evicted_entries))
     obs.add(meter, "kvevents.router.removals",
-            lambda: [(stats.blocks_removed, a(outcome="removed")), (stats.remove_unknown, a(outcome="unknown"))])
-    obs.add(meter, "kvevents.router.errors", lambda: [(n, a(kind=k)) for k, n in list(stats.errors.items())])
-    obs.add(meter, "kvevents.router.gaps", simple(lambda: stats.gaps))
-    obs.add(meter, "kvevents.router.resets", simple(lambda: stats.resets))
+            lambda: [(s.blocks_removed, a(outcome="removed")) for s in (router.stats,)]
+            + [(router.stats.remove_unknown, a(outcome="unknown"))])
+    obs.add(meter, "kvevents.router.errors", lambda: [(n, a(kind=k)) for k, n in list(router.stats.errors.items())])
+    obs.add(meter, "kvevents.router.gaps", simple(lambda: router.stats.gaps))
+    obs.add(meter, "kvevents.router.resets", simple(lambda: router.stats.resets))
     return obs
 
 

@@ -69,13 +69,8 @@ def _tier_row(name: str, t: "Tally") -> str:
 
 
 def index_by_tier(router) -> dict[str, int]:
-    """(key, endpoint) entries per tier of the router's index (a walk over its masks)."""
-    idx = router._index
-    out = {}
-    for name, t in router._tiers.items():
-        shift, full = idx.lane(t)
-        out[name] = sum(((m >> shift) & full).bit_count() for m in idx.masks.values())
-    return out
+    """(key, endpoint) entries per tier of the router's index."""
+    return router.entries_by_tier()
 
 
 def summary(run: "DemoRun", telemetry_note: list[str]) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from consumers import KVRouter, RouterConfig
+from consumers.score import best
 from kvevents.delivery import DeliveryKind
 from kvevents.recorder import Recorder
 from kvevents.recording import RecordingWriter
@@ -159,7 +160,7 @@ class DemoRun:
         loads = self._loads()
         scores = self.router.score(req.tokens, model=MODEL, load=loads)
         if scores:
-            pick_name = min(scores.values(), key=lambda s: (-s.total, s.load, s.pod)).pod
+            pick_name = best(scores).pod  # (the router's one tie-break)
         else:
             self.cold_picks += 1
             pick_name = min(self.nodes, key=lambda n: (n.in_flight, n.name)).name

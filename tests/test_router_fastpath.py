@@ -11,7 +11,6 @@ fallback, and how the extension is loaded and refused.
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -20,12 +19,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import consumers.fastingest as fastingest
+import consumers.keys as keys_mod
 from consumers import KVRouter, RouterConfig, _accel
+from consumers.nativeingest import NativeIngestor
 from consumers.keys import chain_keys_py
 from kvevents import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, encode_batch
 
-pytestmark = pytest.mark.skipif(fastingest._FAST is None, reason=f"C fast path not in use: {_accel.status()}")
+pytestmark = pytest.mark.skipif(keys_mod._FAST is None, reason=f"C fast path not in use: {_accel.status()}")
 
 C = 2
 PODS = {"a": 2, "b": 2, "w": 4}  # pod -> engine block size
@@ -37,23 +37,25 @@ def ehash(E, prefix):
 
 
 def state(r: KVRouter):
-    idx = r._index
+    stats = r.stats.as_dict()  # (first: the C path's tally folded in)
+    idx = r.index
     eps = sorted(
-        (key, ep.slot, ep.block_size, sorted(ep.token_tiers), dict(ep.chunk_keys),
+        ((ep.pod, ep.rank), ep.slot, ep.block_size, sorted(ep.token_tiers), dict(ep.chunk_keys),
          {t: dict(d) for t, d in ep.odd_chunks.items()}, ep.unreliable)
-        for key, ep in r._endpoints.items()
+        for ep in r.endpoints
     )
+    learned = r.learned
     return {
         "masks": list(idx.masks.items()),  # the LRU order too
         "parents": list(idx.parents.items()),
         "counts": (idx.entries, idx.evicted_keys, idx.evicted_entries, idx.cap),
-        "learned": {m: list(d.items()) for m, d in r._learned.maps.items()},
-        "learned_size": (r._learned.size, r._learned.evicted),
-        "odd": {m: o[0] for m, o in r._learned.odd.items()},
-        "stats": r.stats.as_dict(),
+        "learned": {m: list(d.items()) for m, d in learned.maps.items()},
+        "learned_size": (learned.size, learned.evicted),
+        "odd": {m: o[0] for m, o in learned.odd.items()},
+        "stats": stats,
         "endpoints": eps,
-        "pending": list(r._pending.items()),
-        "tiers": list(r._tier_names),
+        "pending": list(r.ingestor.pending.items()),
+        "tiers": list(r.endpoints.tier_names),
     }
 
 
@@ -151,27 +153,28 @@ def _stream():
 
 def test_payloads_take_the_fast_path_and_answer_as_apply():
     slow, fast = KVRouter(model="m", block_size=2), KVRouter(model="m", block_size=2)
-    left = []  # what C left to Python, per batch (None: nothing)
-    real = fast._fast_rest
+    left = []  # what C left to Python, per batch (None: nothing), after any fresh context
+    ing = fast.ingestor
+    assert isinstance(ing, NativeIngestor)
+    real = ing._c_apply
 
-    def spy(pod, payload, model, strict, contexts, out):
-        left.append(out[0])
-        return real(pod, payload, model, strict, contexts, out)
+    def spy(*args):
+        out = real(*args)
+        if out is None or out[0] != 4:  # (4: a context to build first, nothing applied)
+            left.append(None if out is None else out[0])
+        return out
 
-    fast._fast_rest = spy
+    ing._c_apply = spy
     for b in _stream():
-        n = len(left)
         slow.apply("p", b)
         fast.apply_payload("p", encode_batch(b))
-        if len(left) == n:
-            left.append(None)
     assert state(fast) == state(slow)
     # the GPU batch runs in C entirely (status 0: all applied; Python only records the block size
     # it taught); the first offload batch's chunk length is inferred in Python (status 1: the
     # rest of the batch), after which offload joins and removals run in C with nothing left over
     assert left == [0, 1, None]
     assert fast.stats.blocks_stored == 32 and fast.stats.offload_blocks == 12 and fast.stats.blocks_removed == 12
-    assert isinstance(fast.apply_payload, functools.partial)  # the C version is bound
+    assert fast.apply_payload == ing.apply_payload  # the native ingestor's, bound without a facade frame
 
 
 @pytest.mark.parametrize("cut", [1, 5, 17, -3, -1])
@@ -201,9 +204,9 @@ def test_legacy_encoding_and_bytes_hashes_go_through_python_with_the_same_result
 
 
 def test_pure_python_fallback_gives_the_same_state(monkeypatch):
-    monkeypatch.setattr(fastingest, "_FAST", None)  # before the routers exist: no C version bound
-    slow, fast = KVRouter(model="m", block_size=2), KVRouter(model="m", block_size=2)
-    assert not isinstance(fast.apply_payload, functools.partial)
+    slow = KVRouter(model="m", block_size=2, index="python")
+    fast = KVRouter(model="m", block_size=2, index="python")
+    assert not isinstance(fast.ingestor, NativeIngestor)
     for b in _stream():
         slow.apply("p", b)
         fast.apply_payload("p", encode_batch(b))
@@ -234,7 +237,7 @@ def test_the_extension_is_refused_when_it_disagrees_with_python():
 
 
 def test_pure_python_can_be_forced_and_status_says_so():
-    code = "from consumers import _accel, keys, fastingest; print(fastingest._FAST is None, '|', _accel.status())"
+    code = "from consumers import _accel, keys; print(keys._FAST is None, '|', _accel.status())"
     env = dict(os.environ, KVEVENTS_PURE_PYTHON="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -258,11 +261,12 @@ def index_ops(draw):
 @settings(max_examples=300, deadline=None)
 @given(sc=index_ops())
 def test_the_c_mask_table_index_behaves_as_the_dict_index(sc):
-    from consumers.index import BlockIndex, NativeBlockIndex
+    from consumers.index import BlockIndex
+    from consumers.nativeindex import NativeBlockIndex
 
     ops, budget = sc
     a = BlockIndex(budget, cap=4, max_tiers=4)
-    b = NativeBlockIndex(budget, cap=4, max_tiers=4, table=fastingest._FAST.MaskTable)
+    b = NativeBlockIndex(budget, cap=4, max_tiers=4, table=keys_mod._FAST.MaskTable)
     for kind, keys, slot, tier, parent in ops:
         for idx in (a, b):
             slot_ = slot % idx.cap
@@ -289,7 +293,7 @@ def test_the_c_mask_table_index_behaves_as_the_dict_index(sc):
 
 
 def test_mask_table_errors_are_clear():
-    table = fastingest._FAST.MaskTable(bits=8)
+    table = keys_mod._FAST.MaskTable(bits=8)
     with pytest.raises(ValueError, match=r"bit 64 out of range \[0, 64\)"):  # one 64-bit word per mask
         table.set_bit([1], 64)
     with pytest.raises(ValueError, match="a key must be an int"):
@@ -298,9 +302,9 @@ def test_mask_table_errors_are_clear():
         table[5]
     assert table.get(5) is None and table.get("x", 0) == 0 and "x" not in table
     with pytest.raises(ValueError, match="bits must be in"):
-        fastingest._FAST.MaskTable(bits=0)
+        keys_mod._FAST.MaskTable(bits=0)
     assert table.set_bit([3, 4, 3], 2) == 2 and table.items() == [(4, 4), (3, 4)]  # 3 moved to the newest end
-    big = fastingest._FAST.MaskTable(bits=300)
+    big = keys_mod._FAST.MaskTable(bits=300)
     big.set_bit([9], 299)
     assert big[9] == 1 << 299 and big.values() == [1 << 299]
 
@@ -312,7 +316,7 @@ def test_mask_table_errors_are_clear():
     st.one_of(st.integers(0, 2**64 - 1), st.tuples(st.integers(0, 5), st.just(()), st.integers(0, 3)), st.just(-7)),
 ), max_size=60))
 def test_the_learned_table_behaves_as_a_dict(ops):
-    t, d = fastingest._FAST.LearnedTable(), {}
+    t, d = keys_mod._FAST.LearnedTable(), {}
     for op, k, v in ops:
         if op == "set":
             t[k] = v

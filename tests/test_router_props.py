@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 
 import pytest
 
-import consumers.router as router_mod
+import consumers.keys as keys_mod
 from consumers import KVRouter, RouterConfig
-from consumers.index import NativeBlockIndex
+from consumers.nativeindex import NativeBlockIndex
 from kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-KINDS = ["dict"] + (["native"] if router_mod._FAST is not None else [])  # the index's two implementations
+KINDS = ["dict"] + (["native"] if keys_mod._FAST is not None else [])  # the index's two implementations
 C = 2
 PODS = {"a": 2, "b": 2, "w": 4}  # pod -> engine block size
 TIERS = ["GPU", "CPU", "STORAGE"]
@@ -154,14 +154,10 @@ def scenario(draw):
           [[], [1, 1]]))
 def test_router_matches_brute_force_model(kind, sc):
     ops, prompts = sc
-    saved = router_mod._FAST
-    router_mod._FAST = saved if kind == "native" else None  # make_index picks the index kind from it
-    try:
-        r = KVRouter(RouterConfig(block_size=C, model="m", offload_chunk_blocks={"CPU": 1, "STORAGE": 1},
-                                  pending_max_batches=10_000, pending_capacity=10_000))
-    finally:
-        router_mod._FAST = saved
-    assert isinstance(r._index, NativeBlockIndex) == (kind == "native")
+    r = KVRouter(RouterConfig(block_size=C, model="m", offload_chunk_blocks={"CPU": 1, "STORAGE": 1},
+                              pending_max_batches=10_000, pending_capacity=10_000,
+                              index="native" if kind == "native" else "python"))
+    assert isinstance(r.index, NativeBlockIndex) == (kind == "native")
     model = Model()
     for pod in PODS:  # every pod known from the start
         r.apply(pod, KVEventBatch(0.0, []))
@@ -183,7 +179,7 @@ def test_router_matches_brute_force_model(kind, sc):
     assert r.stats.errors == {}
     # representation invariants: the entry count is the set bits, masks are interned, keys
     # are 60-bit, and compacting / re-interning changes no answer
-    idx = r._index
+    idx = r.index
     assert idx.entries == sum(m.bit_count() for m in idx.masks.values())
     if kind == "dict":
         assert all(idx.intern[m] is m for m in idx.masks.values() if m > 256)

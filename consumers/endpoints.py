@@ -1,0 +1,213 @@
+"""The router's endpoints: pods, their data-parallel ranks, slots (bit lanes), health,
+model attribution and the tiers table.
+
+One :class:`Endpoint` per (pod, rank) engine owns one slot of the index; :class:`Endpoints`
+creates, finds, re-states and removes them and keeps what the scorer needs to walk the index
+for a model (a plan cached until an endpoint, a state, a tier or the slot layout changes).
+"""
+
+from __future__ import annotations
+
+from kvevents.topic import parse_topic
+
+from .index import Index
+from .keys import model_seed
+from .learned import LearnedMap
+from .router_config import RouterConfig, RouterInputError
+
+__all__ = ["BUILTIN_TIERS", "Endpoint", "Endpoints", "pod_from_topic"]
+
+BUILTIN_TIERS = ("GPU", "CPU", "STORAGE")
+
+
+#: ``kv@<pod>@<model>`` -> ``(pod, model)``: the topic format lives in kvevents.topic
+pod_from_topic = parse_topic
+
+
+class Endpoint:
+    """One engine: a pod's data-parallel rank. Owns one slot (bit lane) in the index."""
+
+    __slots__ = ("pod", "rank", "slot", "model", "lmap", "odd", "seed", "block_size", "chunk_keys",
+                 "odd_chunks", "token_tiers", "unreliable")
+
+    def __init__(self, pod: str, rank: int, slot: int, model: str, lmap: dict, odd: list) -> None:
+        self.pod = pod
+        self.rank = rank
+        self.slot = slot
+        self.model = model
+        self.lmap = lmap  #: the model's engine-hash -> key map (shared by every endpoint of the model)
+        self.odd = odd  #: [True] once the model's map holds a non-int (partial block) value
+        self.seed = model_seed(model)  #: chain seed without LoRA
+        self.block_size = 0  #: engine block size, learned from token-carrying events
+        self.chunk_keys: dict[int, int] = {}  #: tier -> keys per offloaded chunk (inferred)
+        self.odd_chunks: dict[int, dict[object, int]] = {}  #: tier -> chunk hash -> keys, if not the default
+        self.token_tiers: set[int] = set()  #: tiers whose stores carried tokens
+        self.unreliable = False
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.pod!r}, rank={self.rank}, slot={self.slot}, model={self.model!r})"
+
+
+class Endpoints:
+    """Pods, ranks, slots, health and the tiers table of one router.
+
+    ``touch`` is bumped whenever something a cached ingest context depends on changes (the slot
+    layout, the tiers, an endpoint's learned shape); ``gen`` whenever what scoring depends on
+    changes (endpoints, their states)."""
+
+    def __init__(self, config: RouterConfig, index: Index, learned: LearnedMap) -> None:
+        self.cfg = config
+        self.index = index
+        self.learned = learned
+        self.by_key: dict[tuple[str, int], Endpoint] = {}
+        self.slots: dict[int, Endpoint] = {}
+        self.free_slots: list[int] = []
+        self.next_slot = 0
+        self.pod_model: dict[str, str] = {}
+        self.pub_pod: dict[str, str] = {}  #: publisher identity -> the pod its deliveries went to
+        self.health: dict[str, str] = {}  #: pod -> RECOVERING / STALE (SYNCED pods absent)
+        self.tiers: dict[str, int] = {}
+        self.tier_names: list[str] = []
+        self.gen = 0
+        self.touch = 0
+        self._plan: tuple = (None, None)
+        for name in BUILTIN_TIERS[: config.max_tiers]:
+            self.tier(name)
+
+    # --- tiers ------------------------------------------------------------------------------
+    def tier(self, medium: str | None) -> int:
+        """The tier number of ``medium`` (None is GPU), added if new; -1 if one too many."""
+        name = "GPU" if medium is None else medium
+        t = self.tiers.get(name)
+        if t is None:
+            if len(self.tiers) >= self.cfg.max_tiers:
+                return -1
+            t = self.tiers[name] = len(self.tiers)
+            self.tier_names.append(name)
+            self.touch += 1
+        return t
+
+    # --- endpoints --------------------------------------------------------------------------
+    def get(self, pod: str, rank: int | None, model: str | None) -> Endpoint:
+        """The endpoint of ``(pod, rank)``, created (a slot, the model's learned map) if new."""
+        key = (pod, rank or 0)
+        ep = self.by_key.get(key)
+        if ep is not None:
+            return ep
+        if not isinstance(pod, str) or not pod:
+            raise RouterInputError(f"pod must be a non-empty str, got {pod!r}")
+        model = model or self.pod_model.get(pod) or self.cfg.model
+        if model is None:
+            raise RouterInputError(f"pod {pod!r}: no model (topic kv@<pod>@<model>, apply(model=...) "
+                                   "or RouterConfig.model)")
+        self.admit(pod)
+        self.pod_model[pod] = model
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            slot = self.next_slot
+            self.next_slot += 1
+            if slot >= self.index.cap:
+                self.index.grow(self.index.cap * 2)
+                self.touch += 1  # every endpoint's bits moved
+        lmap = self.learned.for_model(model)
+        ep = Endpoint(pod, rank or 0, slot, model, lmap, self.learned.odd[model])
+        self.by_key[key] = ep
+        self.slots[slot] = ep
+        self.gen += 1
+        return ep
+
+    def admit(self, pod: str) -> None:
+        """Hook for a new pod (the pod bound lives here); raises RouterInputError to refuse it."""
+
+    def of_pod(self, pod: str) -> list[Endpoint]:
+        return [ep for ep in self.by_key.values() if ep.pod == pod]
+
+    def drop(self, ep: Endpoint) -> None:
+        del self.by_key[(ep.pod, ep.rank)]
+        del self.slots[ep.slot]
+        self.free_slots.append(ep.slot)
+        self.gen += 1
+
+    def forget_pod(self, pod: str) -> None:
+        self.pod_model.pop(pod, None)
+        self.health.pop(pod, None)
+        self.gen += 1
+
+    def pods(self) -> list[str]:
+        return sorted({ep.pod for ep in self.by_key.values()})
+
+    def __iter__(self):
+        return iter(list(self.by_key.values()))
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    # --- health -----------------------------------------------------------------------------
+    def set_health(self, pod: str, state: str) -> None:
+        if self.health.get(pod, "SYNCED") == state:
+            return
+        self.gen += 1
+        if state == "SYNCED":
+            self.health.pop(pod, None)
+        else:
+            self.health[pod] = state
+
+    def set_unreliable(self, pod: str, value: bool) -> None:
+        self.gen += 1
+        for ep in self.of_pod(pod):
+            ep.unreliable = value
+
+    def state(self, ep: Endpoint) -> str:
+        if ep.unreliable:
+            return "UNRELIABLE"
+        return self.health.get(ep.pod, "SYNCED")
+
+    def factor(self, state: str) -> float:
+        return self.cfg.state_factors.get(state, 1.0)
+
+    # --- what scoring walks -------------------------------------------------------------------
+    def model_for_query(self, model: str | None) -> str:
+        if model is not None:
+            return model
+        if self.cfg.model is not None:
+            return self.cfg.model
+        models = set(self.pod_model.values())
+        if len(models) == 1:
+            return next(iter(models))
+        if not models:
+            return ""  # no pod heard yet: every prompt scores nothing
+        raise RouterInputError(f"score: name the model (pods serve {sorted(models)!r})")
+
+    def stages(self) -> list[tuple[int, str, float]]:
+        """``(tier, name, weight)``, heaviest first."""
+        w = self.cfg.tier_weights
+        d = self.cfg.default_tier_weight
+        tiers = [(t, name, w.get(name, d)) for name, t in self.tiers.items()]
+        tiers.sort(key=lambda x: (-x[2], x[0]))
+        return tiers
+
+    def plan(self, model: str) -> tuple:
+        """``(stages, lanes, start, eps)`` for ``model``: cached until endpoints, their states,
+        the tiers or the slot layout change."""
+        index = self.index
+        ck = (model, self.gen, len(self.tiers), index.cap)
+        cached = self._plan
+        if cached[0] == ck:
+            return cached[1]
+        stages = self.stages()
+        lanes = [index.lane(t) for t, _, _ in stages]
+        start = 0
+        health = self.health
+        factors = self.cfg.state_factors
+        eps = []
+        for ep in self.by_key.values():
+            if ep.model == model:
+                state = "UNRELIABLE" if ep.unreliable else health.get(ep.pod, "SYNCED")
+                factor = factors.get(state, 1.0)
+                eps.append((ep, state, factor))
+                if factor > 0:
+                    start |= 1 << ep.slot
+        plan = (stages, lanes, start, eps)
+        self._plan = (ck, plan)
+        return plan

@@ -1,0 +1,102 @@
+"""Driving a router from an event source: deliveries (BATCH / RESET / GAP), health polling."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kvevents.errors import DecodeError
+
+from .router_config import RouterInputError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .router import KVRouter
+
+__all__ = ["Feed", "handle", "refresh_health", "run"]
+
+
+def handle(router: KVRouter, delivery: object) -> None:
+    """Apply one :class:`kvevents.delivery.Delivery` to ``router``."""
+    kind = getattr(getattr(delivery, "kind", None), "value", None)
+    try:
+        pod, model = router.pod_for(delivery.publisher, delivery.topic)  # type: ignore[attr-defined]
+    except RouterInputError as exc:  # a refused pod (bound, pinning): counted, nothing applied
+        router.count_error("refused_pod", str(exc))
+        return
+    router.endpoints.pub_pod[delivery.publisher] = pod  # type: ignore[attr-defined]
+    if kind == "batch":
+        batch = delivery.batch  # type: ignore[attr-defined]
+        try:
+            if batch is not None:
+                router.apply(pod, batch, model=model)
+                return
+            payload = getattr(delivery, "payload", None)
+            if payload is None:
+                router.count_error("empty_delivery", f"pod {pod!r}: BATCH delivery without a batch")
+                return
+            try:  # a raw-mode subscriber: the payload, decoded here (in C where it is built)
+                router.apply_payload(pod, payload, model=model)
+            except DecodeError as exc:  # a lost batch, as a subscriber that decodes reports it
+                router.count_error("malformed_payload", f"pod {pod!r}: seq {delivery.seq}: {exc}")  # type: ignore[attr-defined]
+                router.mark_unreliable(pod)
+        except RouterInputError as exc:
+            router.count_error("bad_delivery", str(exc))
+    elif kind == "reset":
+        router.reset_pod(pod)
+        router.mark_resynced(pod)
+    elif kind == "gap":
+        router.mark_unreliable(pod)
+    else:
+        router.count_error("unknown_delivery", f"pod {pod!r}: delivery of unknown kind {kind!r}")
+
+
+class Feed:
+    """The delivery feed of a router (a role: telemetry puts a traced one in its place)."""
+
+    __slots__ = ()
+
+    def handle(self, router: KVRouter, delivery: object) -> None:
+        handle(router, delivery)
+
+
+def refresh_health(router: KVRouter, source: object) -> None:
+    health = getattr(source, "health", None)
+    if not callable(health):
+        return
+    pub_pod = router.endpoints.pub_pod
+    for publisher, h in health().items():
+        pod = pub_pod.get(publisher) or router.config.publisher_pods.get(publisher)
+        if pod is None:
+            continue
+        state = getattr(h, "state", h)
+        router.set_health(pod, getattr(state, "value", str(state)))
+
+
+def run(router: KVRouter, source: Iterable, *, stop: object = None, health_interval: float = 1.0) -> int:
+    """See :meth:`KVRouter.run`."""
+    n = 0
+    is_set = getattr(stop, "is_set", None)
+    router.refresh_health(source)
+    poll = getattr(source, "poll", None)
+    if callable(poll):
+        next_health = time.monotonic() + health_interval
+        while is_set is None or not is_set():
+            for delivery in poll(100):
+                router.handle(delivery)
+                n += 1
+            if time.monotonic() >= next_health:
+                router.refresh_health(source)
+                next_health = time.monotonic() + health_interval
+        router.refresh_health(source)
+        return n
+    every = router.config.health_every
+    for delivery in source:
+        router.handle(delivery)
+        n += 1
+        if n % every == 0:
+            router.refresh_health(source)
+        if is_set is not None and is_set():
+            break
+    router.refresh_health(source)
+    return n

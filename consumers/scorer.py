@@ -1,0 +1,141 @@
+"""The Scorer: how much of a prompt's prefix each pod holds (score), the pod to send it to
+(pick, with THE tie-break: :func:`consumers.score.best`) and why (explain)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .endpoints import Endpoints
+from .index import Index
+from .keys import as_token_list, chain_keys, model_seed
+from .router_config import RouterConfig, RouterStats
+from .score import Explanation, Score, TierMatch, best, better
+
+__all__ = ["Scorer"]
+
+
+class Scorer:
+    def __init__(self, config: RouterConfig, endpoints: Endpoints, index: Index, stats: RouterStats) -> None:
+        self._cfg = config
+        self._bs = config.block_size
+        self.eps = endpoints
+        self.index = index
+        self._stats = stats
+
+    def _walk(self, tokens: object, lora_name: str | None, model: str | None):
+        toks = as_token_list(tokens)
+        model = self.eps.model_for_query(model)
+        keys = chain_keys(toks, model_seed(model, lora_name), self._bs)
+        stages, lanes, start, eps = self.eps.plan(model)
+        segments, ends = self.index.match(keys, lanes, start)
+        return toks, keys, stages, segments, ends, model, eps
+
+    def score(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
+              load: Mapping[str, float] | None = None) -> dict[str, Score]:
+        """Pod -> :class:`Score` for every pod of ``model`` not excluded by its state."""
+        toks, keys, stages, segments, ends, model, eps = self._walk(tokens, lora_name, model)
+        C = self._bs
+        n_tokens = max(1, len(toks))
+        n_keys = len(keys)
+        lw = self._cfg.load_weight
+        out: dict[str, Score] = {}
+        top: Score | None = None  # what pick() would choose: the counters below follow it
+        for ep, state, factor in eps:
+            if factor <= 0:
+                continue
+            pod = ep.pod
+            pod_load = 0.0 if load is None else float(load.get(pod, 0.0))
+            seg = segments.get(ep.slot)
+            if seg is None:
+                total = -lw * pod_load
+                prev = out.get(pod)
+                if prev is None or total > prev.total:
+                    out[pod] = s = Score(pod, total, {}, 0, ep.rank, state, factor, pod_load)
+                    if better(s, top):
+                        top = s
+                continue
+            by_tier: dict[str, int] = {}
+            weighted = 0.0
+            end = ends.get(ep.slot, n_keys)
+            for i, (stage, first) in enumerate(seg):
+                last = seg[i + 1][1] if i + 1 < len(seg) else end
+                if last > first:
+                    _, name, w = stages[stage]
+                    by_tier[name] = by_tier.get(name, 0) + (last - first) * C
+                    weighted += w * (last - first) * C
+            total = factor * weighted / n_tokens - lw * pod_load
+            prev = out.get(pod)
+            if prev is None or total > prev.total:
+                out[pod] = s = Score(pod, total, by_tier, end * C, ep.rank, state, factor, pod_load)
+                if better(s, top):
+                    top = s
+        stats = self._stats
+        stats.lookups += 1
+        stats.prompt_tokens += len(toks)
+        if top is not None:
+            matched = stats.matched_tokens
+            for tier, n in top.tokens_by_tier.items():
+                matched[tier] = matched.get(tier, 0) + n
+        return out
+
+    def pick(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
+             load: Mapping[str, float] | None = None) -> str | None:
+        """The pod with the highest total (ties: lower load, then name); None if none is eligible."""
+        top = best(self.score(tokens, lora_name, model=model, load=load))
+        return None if top is None else top.pod
+
+    def explain(self, tokens: object, lora_name: str | None = None, *,
+                model: str | None = None) -> dict[str, list[Explanation]]:
+        """Pod -> one :class:`Explanation` per data-parallel rank: what matched, tier by tier,
+        and why the match ended."""
+        toks, keys, stages, segments, ends, model, _eps = self._walk(tokens, lora_name, model)
+        C = self._bs
+        index = self.index
+        mask = index.mask
+        out: dict[str, list[Explanation]] = {}
+        for ep in sorted(self.eps, key=lambda e: (e.pod, e.rank)):
+            if ep.model != model:
+                continue
+            state = self.eps.state(ep)
+            factor = self.eps.factor(state)
+            alone: dict[str, int] = {}
+            for t, name, _w in stages:
+                bit = index.bit(t, ep.slot)
+                n = 0
+                for k in keys:
+                    if not (mask(k) or 0) & bit:
+                        break
+                    n += 1
+                alone[name] = n * C
+            segs: list[TierMatch] = []
+            seg = segments.get(ep.slot)
+            end = ends.get(ep.slot, 0) if seg is not None else 0
+            if seg is not None:
+                for i, (stage, first) in enumerate(seg):
+                    last = seg[i + 1][1] if i + 1 < len(seg) else end
+                    if last > first:
+                        segs.append(TierMatch(stages[stage][1], first, last - first, (last - first) * C))
+            tail = len(toks) - len(keys) * C
+            if factor <= 0:
+                reason = f"excluded: pod state {state}"
+                ended = 0
+            elif end >= len(keys):
+                ended = None
+                reason = (f"end of prompt: all {len(keys)} full blocks matched"
+                          + (f"; the last {tail} tokens are not a full block" if tail else ""))
+            else:
+                ended = end
+                m = mask(keys[end])
+                held = [name for t, name, _w in stages if (m or 0) & index.bit(t, ep.slot)]
+                where = f"tokens {end * C}..{(end + 1) * C - 1}"
+                if held:
+                    reason = (f"block {end} ({where}) is only in tier(s) {held}, above the tier the "
+                              "match had moved down to")
+                elif m is None:
+                    reason = f"block {end} ({where}) is not indexed for any pod"
+                else:
+                    reason = f"block {end} ({where}) is in no tier of this pod"
+            out.setdefault(ep.pod, []).append(Explanation(
+                ep.pod, ep.rank, state, factor, end * C if factor > 0 else 0, segs, alone, ended, reason,
+                len(keys)))
+        return out
