@@ -213,9 +213,31 @@ class OffloadingManager(ABC):
         """Pure drain of the events accumulated so far; changes no job or cache state."""
         return []
 
-    def on_schedule_end(self, context: Any = None) -> None:  # noqa: B027 - default no-op
-        """Once at the end of every scheduler step: the one home of step-lifecycle work.
-        ``context``: accepted for vLLM's signature (its ScheduleEndContext); unused here."""
+    #: who hears each ``on_schedule_end`` (telemetry): ``schedule_end_started() -> state``
+    #: before the step's lifecycle work, ``schedule_end_finished(state)`` after it. A manager
+    #: that overrides :meth:`on_schedule_end` brackets its work with
+    #: ``_schedule_end_started`` / ``_schedule_end_finished`` when there are observers.
+    schedule_end_observers: tuple[Any, ...] = ()
+
+    def add_schedule_end_observer(self, observer: Any) -> None:
+        self.schedule_end_observers = (*self.schedule_end_observers, observer)
+
+    def remove_schedule_end_observer(self, observer: Any) -> None:
+        self.schedule_end_observers = tuple(o for o in self.schedule_end_observers if o is not observer)
+
+    def _schedule_end_started(self) -> list[Any]:
+        return [o.schedule_end_started() for o in self.schedule_end_observers]
+
+    def _schedule_end_finished(self, states: list[Any]) -> None:
+        for o, state in zip(reversed(self.schedule_end_observers), reversed(states)):
+            o.schedule_end_finished(state)
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        """Once at the end of every scheduler step: the one home of step-lifecycle work (none
+        by default; observers still hear it). ``context``: accepted for vLLM's signature (its
+        ScheduleEndContext); unused here."""
+        if self.schedule_end_observers:
+            self._schedule_end_finished(self._schedule_end_started())
 
     def has_pending_work(self) -> bool:
         """Whether jobs are in flight or queued (a driver keeps stepping while True)."""

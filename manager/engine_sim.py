@@ -138,6 +138,7 @@ class SimEngine:
         self.worker = self.handlers.worker
         #: the host buffer one offloaded block per row (what the manager's tiers read and write)
         self.host_block_io = self.handlers.host_block_io
+        self.step_observers: tuple[Any, ...] = ()
         self._requests: dict[str, _SimRequest] = {}
         self._waiting: collections.deque[_SimRequest] = collections.deque()
         self._running: list[_SimRequest] = []
@@ -231,7 +232,32 @@ class SimEngine:
         }
 
     # --- one step ---------------------------------------------------------------------------
+    def add_step_observer(self, observer: Any) -> None:
+        """``observer`` brackets every step from now on: ``step_started() -> state`` before it,
+        ``step_finished(state, stats, exc)`` after it (``stats`` None and ``exc`` set when the
+        step raised). Telemetry's step span is one."""
+        self.step_observers = (*self.step_observers, observer)
+
+    def remove_step_observer(self, observer: Any) -> None:
+        self.step_observers = tuple(o for o in self.step_observers if o is not observer)
+
     def step(self) -> StepStats:
+        """One engine step (see the module's docstring)."""
+        observers = self.step_observers
+        if not observers:
+            return self._step()
+        states = [o.step_started() for o in observers]
+        try:
+            st = self._step()
+        except BaseException as exc:
+            for o, state in zip(reversed(observers), reversed(states)):
+                o.step_finished(state, None, exc)
+            raise
+        for o, state in zip(reversed(observers), reversed(states)):
+            o.step_finished(state, st, None)
+        return st
+
+    def _step(self) -> StepStats:
         st = StepStats(self.steps)
         self.steps += 1
         so = self._schedule(st)

@@ -28,15 +28,20 @@ about a tenth of a simulated step, per job), so it is recorded for one job in
 :data:`~kvevents.telemetry.sampling.DEFAULT_HISTOGRAM_SAMPLE_EVERY`); only those jobs take a
 timestamp, and their attribute dicts are built once at observe time.
 
-Everything is installed as instance attributes over the components' own methods and
-removed by ``close()``/:func:`uninstrument`: the manager's code does not change.
+Everything goes through the components' public hooks and stats, and ``close()`` /
+:func:`uninstrument` takes it out again: job observers (``TransferWorker.add_job_observer``,
+``TieringOffloadingManager.add_job_observer`` per tier), schedule-end observers
+(``OffloadingManager.add_schedule_end_observer``) and step observers
+(``SimEngine.add_step_observer``). No method is replaced and no private attribute is read.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.metrics import Meter
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -46,8 +51,6 @@ from kvevents.telemetry.sampling import DEFAULT_HISTOGRAM_SAMPLE_EVERY, check_ev
 
 __all__ = ["MAX_IDLE_TRACED_STEPS", "JobProbe", "StepGate", "default_tier_names", "instrument_engine",
            "instrument_manager", "observe_engine", "observe_manager", "uninstrument"]
-
-_PROBE = "_kvevents_job_probe"
 
 #: consecutive steps traced at one sampled seq while none of them publishes (bounds the cost
 #: of an engine that steps without events); the step that then publishes that seq is untraced
@@ -90,26 +93,21 @@ class StepGate:
 
 def default_tier_names(mgr: Any) -> list[str]:
     """``[primary, *secondary]``: each tier's medium, its tier_type where two share a medium."""
-    primary = getattr(mgr, "primary", mgr)
+    primary = getattr(mgr, "primary_tier", mgr)
     names = [str(getattr(primary, "medium", "CPU"))]
-    tiers = list(getattr(mgr, "tiers", ()))
+    tiers = _tiers(mgr)
     media = [str(getattr(t, "medium", "STORAGE")) for t in tiers]
     for t, m in zip(tiers, media):
         names.append(m if media.count(m) == 1 and m != names[0] else f"{m}/{getattr(t, 'tier_type', len(names))}")
     return names
 
 
-def _patch(obj: Any, name: str, fn: Any, undo: list) -> None:
-    obj.__dict__[name] = fn
-    undo.append(lambda: obj.__dict__.pop(name, None))
-
-
 class JobProbe:
-    """Wraps a transfer worker or a secondary tier: submit time per job, and on each result
-    the latency histogram, plain-int counts by direction, and (when tracing) the job's span."""
+    """A job observer of a transfer worker or of one secondary tier: submit time per job, and
+    on each result the latency histogram, plain-int counts by direction, and (when tracing)
+    the job's span. ``detach`` removes it from what it observes (called by :meth:`close`)."""
 
-    def __init__(self, target: Any, tier: str, kind: str, bytes_per_block) -> None:
-        self.target = target
+    def __init__(self, tier: str, kind: str, bytes_per_block, detach=None) -> None:
         self.tier = tier
         self.kind = kind  # "worker" (GPU<->primary) or "tier" (primary<->secondary)
         self.bytes_per_block = bytes_per_block  # callable -> int
@@ -125,46 +123,14 @@ class JobProbe:
         self.tracer: trace.Tracer | None = None
         self.gate: StepGate | None = None  #: jobs get spans only while gate.traced (set with tracer)
         self.engine = ""
-        self._undo: list = []
-        if kind == "worker":
-            self._wrap("submit_store", "store")
-            self._wrap("submit_load", "load")
-            orig = target.get_finished
+        self._detach = detach
 
-            def get_finished():
-                results = orig()
-                for r in results:
-                    self._done(r.job_id, r.success, getattr(r, "error", None))
-                return results
+    # the job-observer hooks
+    def job_submitted(self, job_id: int, direction: str, blocks: int) -> None:
+        self._start(job_id, direction, blocks)
 
-            _patch(target, "get_finished", get_finished, self._undo)
-        else:
-            for name, direction in (("submit_store", "store"), ("submit_load", "load")):
-                orig_submit = getattr(target, name)
-
-                def submit(job, _orig=orig_submit, _d=direction):
-                    self._start(job.job_id, _d, len(job.keys))
-                    return _orig(job)
-
-                _patch(target, name, submit, self._undo)
-            orig_fin = target.get_finished_jobs
-
-            def get_finished_jobs():
-                results = orig_fin()
-                for r in results:
-                    self._done(r.job_id, r.success, None)
-                return results
-
-            _patch(target, "get_finished_jobs", get_finished_jobs, self._undo)
-
-    def _wrap(self, name: str, direction: str) -> None:
-        orig = getattr(self.target, name)
-
-        def submit(job_id, src, dst):
-            self._start(job_id, direction, len(src))
-            return orig(job_id, src, dst)
-
-        _patch(self.target, name, submit, self._undo)
+    def job_finished(self, job_id: int, success: bool, error: str | None) -> None:
+        self._done(job_id, success, error)
 
     def _start(self, job_id: int, direction: str, blocks: int) -> None:
         span = None
@@ -204,30 +170,52 @@ class JobProbe:
             span.end()
 
     def close(self) -> None:
-        for fn in reversed(self._undo):
-            fn()
-        self._undo.clear()
-        self.target.__dict__.pop(_PROBE, None)
+        detach, self._detach = self._detach, None
+        if detach is not None:
+            detach()
 
 
-def _probe(target: Any, tier: str, kind: str, bytes_per_block) -> JobProbe:
-    p = target.__dict__.get(_PROBE)
+#: one probe per observed worker or tier, shared by metrics and tracing (gone with its target)
+_PROBES: weakref.WeakKeyDictionary[Any, JobProbe] = weakref.WeakKeyDictionary()
+
+
+def _worker_probe(worker: Any, tier: str) -> JobProbe:
+    p = _PROBES.get(worker)
     if p is None:
-        p = JobProbe(target, tier, kind, bytes_per_block)
-        target.__dict__[_PROBE] = p
+        def detach() -> None:
+            worker.remove_job_observer(p)
+            _PROBES.pop(worker, None)
+
+        p = JobProbe(tier, "worker", lambda: worker.bytes_per_block, detach)
+        worker.add_job_observer(p)
+        _PROBES[worker] = p
     return p
 
 
-def _tier_bpb(tier: Any):
-    return lambda: getattr(getattr(tier, "block_io", None), "block_nbytes", 0)
+def _tier_probe(mgr: Any, index: int, tier: Any, name: str) -> JobProbe:
+    p = _PROBES.get(tier)
+    if p is None:
+        def detach() -> None:
+            mgr.remove_job_observer(index, p)
+            _PROBES.pop(tier, None)
+
+        p = JobProbe(name, "tier", lambda: getattr(tier.block_io, "block_nbytes", 0), detach)
+        mgr.add_job_observer(index, p)
+        _PROBES[tier] = p
+    return p
+
+
+def _tiers(mgr: Any) -> list[Any]:
+    """The secondary tiers of a tiering manager (none for a primary alone)."""
+    return list(getattr(mgr, "secondary_tiers", ()))
 
 
 def _probes(mgr: Any, names: list[str], worker: Any = None) -> list[JobProbe]:
     out = []
     if worker is not None:
-        out.append(_probe(worker, names[0], "worker", lambda: getattr(worker, "bytes_per_block", 0)))
-    for tier, name in zip(getattr(mgr, "tiers", ()), names[1:]):
-        out.append(_probe(tier, name, "tier", _tier_bpb(tier)))
+        out.append(_worker_probe(worker, names[0]))
+    for i, (tier, name) in enumerate(zip(_tiers(mgr), names[1:])):
+        out.append(_tier_probe(mgr, i, tier, name))
     return out
 
 
@@ -245,8 +233,8 @@ def observe_manager(mgr: Any, tier_names: list[str] | None = None, meter: Meter 
     check_every(job_sample_every, "job_sample_every")
     meter = get_meter(meter)
     names = list(tier_names) if tier_names else default_tier_names(mgr)
-    primary = getattr(mgr, "primary", mgr)
-    tiers = list(getattr(mgr, "tiers", ()))
+    primary = getattr(mgr, "primary_tier", mgr)
+    tiers = _tiers(mgr)
     if len(names) != 1 + len(tiers):
         raise ValueError(f"tier_names needs {1 + len(tiers)} names (primary, then each tier), got {names!r}")
     obs = Observation(mgr)
@@ -288,8 +276,8 @@ def observe_manager(mgr: Any, tier_names: list[str] | None = None, meter: Meter 
         if isinstance(n, int):
             out.append((n - primary.num_free_blocks, A[names[0]]))
         for t, name in zip(tiers, names[1:]):
-            idx = getattr(t, "_index", None)
-            out.append((len(idx) if idx is not None else len(t.cached_keys()), A[name]))
+            held = t.get_num_blocks()
+            out.append((held if held is not None else len(t.cached_keys()), A[name]))
         return out
 
     def capacity():
@@ -380,28 +368,47 @@ def instrument_manager(mgr: Any, tier_names: list[str] | None = None, *, engine:
     t.probes = _probes(mgr, names, worker)
     for p in t.probes:
         p.tracer, p.engine, p.gate = tracer, engine, gate
-    orig = mgr.on_schedule_end
-    jobs = getattr(mgr, "_jobs", None)
+    obs = _ScheduleEndSpans(mgr, tracer, gate, t.probes, engine)
+    mgr.add_schedule_end_observer(obs)
+    t.undo.append(lambda: mgr.remove_schedule_end_observer(obs))
+    return t
 
-    def on_schedule_end():
+
+class _ScheduleEndSpans:
+    """A schedule-end observer: a span around each traced ``on_schedule_end``."""
+
+    def __init__(self, mgr: Any, tracer: trace.Tracer, gate: StepGate, probes: list[JobProbe], engine: str) -> None:
+        self.mgr, self.tracer, self.gate, self.engine = mgr, tracer, gate, engine
+        self.tier_probes = [p for p in probes if p.kind == "tier"]
+
+    def schedule_end_started(self) -> Any:
+        gate = self.gate
         if not gate.driven:
             n = gate.calls
             gate.calls = n + 1
             gate.traced = n % gate.every == 0
         if not gate.traced:
-            return orig()
-        with tracer.start_as_current_span("kvevents.manager.schedule_end", kind=SpanKind.INTERNAL) as span:
-            before = sum(len(p.jobs) for p in t.probes if p.kind == "tier")
-            orig()
-            if span.is_recording():
-                span.set_attribute("kvevents.engine", engine)
-                span.set_attribute("kvevents.manager.tier_jobs_submitted",
-                                   max(0, sum(len(p.jobs) for p in t.probes if p.kind == "tier") - before))
-                if isinstance(jobs, dict):
-                    span.set_attribute("kvevents.manager.tier_jobs_in_flight", len(jobs))
+            return None
+        span = self.tracer.start_span("kvevents.manager.schedule_end", kind=SpanKind.INTERNAL)
+        token = otel_context.attach(trace.set_span_in_context(span))
+        return span, token, sum(len(p.jobs) for p in self.tier_probes)
 
-    _patch(mgr, "on_schedule_end", on_schedule_end, t.undo)
-    return t
+    def schedule_end_finished(self, state: Any) -> None:
+        if state is None:
+            return
+        span, token, before = state
+        try:
+            if span.is_recording():
+                span.set_attribute("kvevents.engine", self.engine)
+                span.set_attribute("kvevents.manager.tier_jobs_submitted",
+                                   max(0, sum(len(p.jobs) for p in self.tier_probes) - before))
+                stats = getattr(self.mgr, "stats", None)
+                in_flight = stats().get("jobs_in_flight") if stats is not None else None
+                if isinstance(in_flight, int):
+                    span.set_attribute("kvevents.manager.tier_jobs_in_flight", in_flight)
+        finally:
+            otel_context.detach(token)
+            span.end()
 
 
 _STEP_ATTRS = ("scheduled_new", "scheduled_running", "preempted", "finished", "computed_tokens", "gpu_hit_tokens",
@@ -420,31 +427,48 @@ def instrument_engine(engine: Any, *, name: str = "engine0", tier_names: list[st
     gate = StepGate(resolve_sample_every(sample_every), driven=True)
     t = instrument_manager(engine.manager, tier_names, engine=name, worker=engine.worker,
                            tracer_provider=tracer_provider, gate=gate)
-    orig = engine.step
+    obs = _StepSpans(engine, tracer, gate, name)
+    engine.add_step_observer(obs)
+    t.undo.append(lambda: engine.remove_step_observer(obs))
+    return t
 
-    def step():
-        pub = engine.publisher
-        seq = getattr(pub, "next_seq", None)
+
+class _StepSpans:
+    """A step observer: the ``kvevents.step`` span of each traced step, current while it runs."""
+
+    def __init__(self, engine: Any, tracer: trace.Tracer, gate: StepGate, name: str) -> None:
+        self.engine, self.tracer, self.gate, self.name = engine, tracer, gate, name
+
+    def step_started(self) -> Any:
+        engine, gate = self.engine, self.gate
+        seq = getattr(engine.publisher, "next_seq", None)
         if seq is None:  # no publisher, or one without a seq: the engine's own count
             seq = engine.batches_published
         if seq % gate.every or not gate.step_traced(seq):
-            return orig()
+            return None
         gate.traced = True
-        try:
-            with tracer.start_as_current_span("kvevents.step", kind=SpanKind.INTERNAL) as span:
-                st = orig()
-                if span.is_recording():
-                    span.set_attribute("kvevents.engine", name)
-                    span.set_attribute("kvevents.step", st.step)
-                    for a in _STEP_ATTRS:
-                        span.set_attribute(f"kvevents.step.{a}", getattr(st, a))
-        finally:
-            gate.traced = False
-        gate.step_done(seq, st.published)
-        return st
+        span = self.tracer.start_span("kvevents.step", kind=SpanKind.INTERNAL)
+        return seq, span, otel_context.attach(trace.set_span_in_context(span))
 
-    _patch(engine, "step", step, t.undo)
-    return t
+    def step_finished(self, state: Any, st: Any, exc: BaseException | None) -> None:
+        if state is None:
+            return
+        seq, span, token = state
+        try:
+            if exc is not None:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            elif span.is_recording():
+                span.set_attribute("kvevents.engine", self.name)
+                span.set_attribute("kvevents.step", st.step)
+                for a in _STEP_ATTRS:
+                    span.set_attribute(f"kvevents.step.{a}", getattr(st, a))
+        finally:
+            otel_context.detach(token)
+            span.end()
+            self.gate.traced = False
+        if st is not None:
+            self.gate.step_done(seq, st.published)
 
 
 def uninstrument(traced: _Traced) -> None:

@@ -276,7 +276,7 @@ class _CudaTorchWorker(TransferWorker):
     def get_finished(self) -> list[TransferResult]:
         self._poll(block=False)
         out, self._results = self._results, []
-        return out
+        return self._report(out) if self.job_observers else out
 
     def wait(self, job_ids: Iterable[int] | None = None, timeout: float | None = None) -> bool:
         # CUDA copies always complete; an event synchronize is the wait (timeout not needed).

@@ -150,6 +150,9 @@ class TransferWorker(abc.ABC):
         self.bytes_copied = 0
         self.bytes_per_block = 0
         self._closed = False
+        #: who hears of each job (telemetry): ``job_submitted(job_id, direction, blocks)`` when a
+        #: job is accepted, ``job_finished(job_id, success, error)`` as get_finished reports it
+        self.job_observers: tuple[Any, ...] = ()
 
     # --- the role -------------------------------------------------------------------------
     def submit_store(self, job_id: int, device_block_ids: Any, host_block_ids: Any) -> None:
@@ -175,6 +178,20 @@ class TransferWorker(abc.ABC):
     @abc.abstractmethod
     def shutdown(self, timeout: float | None = 5.0) -> None:
         """Stop; a job that never ran is reported failed by the next ``get_finished``."""
+
+    def add_job_observer(self, observer: Any) -> None:
+        """``observer`` hears every job from now on (see :attr:`job_observers`)."""
+        self.job_observers = (*self.job_observers, observer)
+
+    def remove_job_observer(self, observer: Any) -> None:
+        self.job_observers = tuple(o for o in self.job_observers if o is not observer)
+
+    def _report(self, results: list[TransferResult]) -> list[TransferResult]:
+        """What ``get_finished`` returns, told to the job observers first."""
+        for o in self.job_observers:
+            for r in results:
+                o.job_finished(r.job_id, r.success, r.error)
+        return results
 
     def host_array(self) -> np.ndarray:
         """The host buffer as a numpy array sharing its memory (``host_cache``: a numpy array,
@@ -219,6 +236,8 @@ class TransferWorker(abc.ABC):
 
     def _submit(self, job_id: int, direction: str, src: Any, dst: Any) -> None:
         job = self._validate(job_id, direction, src, dst)
+        for o in self.job_observers:
+            o.job_submitted(job.job_id, direction, len(job.src))
         self._enqueue(job)
 
     @abc.abstractmethod
@@ -285,7 +304,7 @@ class ThreadedTransferWorker(TransferWorker):
     def get_finished(self) -> list[TransferResult]:
         with self._cv:
             out, self._results = self._results, []
-        return out
+        return self._report(out) if self.job_observers else out
 
     def in_flight(self) -> set[int]:
         with self._cv:

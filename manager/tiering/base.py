@@ -101,6 +101,10 @@ class SecondaryTierManager(ABC):
     def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:  # noqa: B027
         """The keys were used."""
 
+    def get_num_blocks(self) -> int | None:
+        """How many blocks the tier holds (for telemetry); None: the tier does not say."""
+        return None
+
     def has_pending_work(self) -> bool:
         """Whether jobs are in flight or results are waiting to be collected."""
         return False

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
+from typing import Any
 
 import numpy as np
 
@@ -94,6 +95,9 @@ class TieringOffloadingManager(OffloadingManager):
         self._pending_stores: dict[str, set[OffloadKey]] = {}
         self._finishing: dict[str, ReqContext] = {}
         self._lifecycle = RequestLifecycle("TieringOffloadingManager")
+        #: per tier, who hears of its jobs (telemetry): ``job_submitted(job_id, direction, blocks)``
+        #: as a job is handed to the tier, ``job_finished(job_id, success, None)`` as its result is collected
+        self.job_observers: list[tuple[Any, ...]] = [() for _ in self.tiers]
         self._processed_this_step = False
         # Counters.
         self.promotions_started = 0
@@ -193,7 +197,10 @@ class TieringOffloadingManager(OffloadingManager):
             job_id = next(self._job_ids)
             self._jobs[job_id] = _Job(i, todo, req_context, False)
             self.cascade_jobs += 1
-            tier.submit_store(JobMetadata(job_id, todo, spec.block_ids, False, req_context))
+            job = JobMetadata(job_id, todo, spec.block_ids, False, req_context)
+            for o in self.job_observers[i]:
+                o.job_submitted(job_id, "store", len(todo))
+            tier.submit_store(job)
 
     # -- step lifecycle -------------------------------------------------------------
 
@@ -204,7 +211,11 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _process_finished(self) -> None:
         for i, tier in enumerate(self.tiers):
-            for res in tier.get_finished_jobs():
+            results = tier.get_finished_jobs()
+            for o in self.job_observers[i]:
+                for res in results:
+                    o.job_finished(res.job_id, res.success, None)
+            for res in results:
                 job = self._jobs.pop(res.job_id, None)
                 if job is None or job.tier != i:
                     self.unknown_results += 1
@@ -230,12 +241,23 @@ class TieringOffloadingManager(OffloadingManager):
         for (i, req_id), queue in queues.items():
             job_id = next(self._job_ids)
             self._jobs[job_id] = _Job(i, queue.keys, queue.req_context, True)
-            self.tiers[i].submit_load(
-                JobMetadata(job_id, queue.keys, np.array(queue.block_ids, dtype=np.int64), True, queue.req_context)
-            )
+            job = JobMetadata(job_id, queue.keys, np.array(queue.block_ids, dtype=np.int64), True, queue.req_context)
+            for o in self.job_observers[i]:
+                o.job_submitted(job_id, "load", len(queue.keys))
+            self.tiers[i].submit_load(job)
         self._promo_reqs.clear()
 
     def on_schedule_end(self, context: object = None) -> None:
+        if not self.schedule_end_observers:
+            self._schedule_end()
+            return
+        states = self._schedule_end_started()
+        try:
+            self._schedule_end()
+        finally:
+            self._schedule_end_finished(states)
+
+    def _schedule_end(self) -> None:
         self._process_finished_gated()
         self._flush_promotions()
         for req_id in list(self._finishing):
@@ -305,6 +327,13 @@ class TieringOffloadingManager(OffloadingManager):
         for tier in self.tiers:
             tier.shutdown()
         self.primary.shutdown()
+
+    def add_job_observer(self, tier_index: int, observer: Any) -> None:
+        """``observer`` hears every job of tier ``tier_index`` from now on."""
+        self.job_observers[tier_index] = (*self.job_observers[tier_index], observer)
+
+    def remove_job_observer(self, tier_index: int, observer: Any) -> None:
+        self.job_observers[tier_index] = tuple(o for o in self.job_observers[tier_index] if o is not observer)
 
     def bind_block_io(self, block_io: BlockIO) -> None:
         """Tiers built without a :class:`~manager.base.BlockIO` move bytes through ``block_io``."""
