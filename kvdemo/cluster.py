@@ -66,10 +66,17 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the round-robin shadow cluster (halves the CPU the demo needs)")
+    p.add_argument("--serve", action="store_true",
+                   help="instead: the router service (kvevents router --proxy) in front of simulated engines with "
+                        "OpenAI-compatible HTTP servers, and a load generator sending real HTTP through it")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "serve", False):
+        from .serve import run_serve
+
+        return run_serve(args.duration, args.engines, args.seed, sys.stdout)
     from .run import DemoOptions, run_demo
 
     opts = DemoOptions(duration=args.duration, engines=args.engines, prometheus_port=args.prometheus_port,
