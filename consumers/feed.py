@@ -81,7 +81,7 @@ def run(router: KVRouter, source: Iterable, *, stop: object = None, health_inter
     poll = getattr(source, "poll", None)
     if callable(poll):
         next_health = time.monotonic() + health_interval
-        while is_set is None or not is_set():
+        while (is_set is None or not is_set()) and not getattr(source, "ended", False):  # a recording ends
             for delivery in poll(100):
                 router.handle(delivery)
                 n += 1

@@ -2,10 +2,10 @@
 
 * :class:`Recording`: a recording file (``.kvrec``) or a conformance capture (``.jsonl``) loaded
   in memory, with its damage counters; ``deliveries()`` heals it as a live subscriber would have.
-* :class:`SeqHealer`: the same for hand-made streams of ``(publisher, seq, batch)``: batches
-  arriving out of order are held until the gap is filled (a replayed batch fills a gap,
-  duplicates are dropped), a seq going backwards is a publisher restart (RESET), holes left at
-  the end are GAPs.
+* :class:`SeqHealer`: the same for hand-made streams of ``(publisher, seq, batch)``, with the
+  same tracker: batches arriving out of order are held until the gap is filled (a replayed
+  batch fills a gap, duplicates are dropped), a seq going backwards is a publisher restart
+  (RESET), holes left at the end are GAPs.
 * :func:`as_deliveries`: any of those (a path, a Recording, Records, Deliveries, tuples) as Deliveries.
 * :func:`pod_of`: a delivery's pod: from a ``kv@<pod>@<model>`` topic, else the publisher identity
   (:meth:`consumers.KVRouter.pod_for` is the router's own rule, with configured names).
@@ -23,6 +23,7 @@ from kvevents.events import KVEventBatch
 from kvevents.recording import Record, RecordingReader, capture_records
 from kvevents.recordstream import DeliveryStream
 from kvevents.topic import topic_pod
+from kvevents.tracker import SeqTracker
 
 __all__ = ["Recording", "SeqHealer", "as_deliveries", "topic_pod", "pod_of"]
 
@@ -81,11 +82,16 @@ class Recording:
 class SeqHealer:
     """Turns ``(publisher, seq, batch)`` arrivals, in any order, into an in-order Delivery stream.
 
-    A seq below the next expected one is a duplicate when it is flagged ``replayed`` or equals the
-    batch already delivered at that seq (the last ``recent`` are kept), else the publisher
-    restarted (RESET). ``from_zero``: a publisher's stream starts at seq 0 (earlier seqs missing
-    are a gap), else at the first seq seen. At most ``max_pending`` batches are held per publisher; past that the
-    lowest hole is given up as a GAP.
+    The healing is :class:`kvevents.tracker.SeqTracker`'s, the one every subscriber and
+    recording uses (one tracker per publisher): a seq past the next expected one opens a hole
+    whose later batches are held; a batch arriving inside the hole fills it
+    (:meth:`~kvevents.tracker.SeqTracker.on_fill`); what is held is delivered as soon as the
+    run from the hole is complete. What this class adds is the rule for a seq below the next
+    expected one, which a hand-made stream cannot tell apart otherwise: a duplicate when it is
+    flagged ``replayed``, is held already, or equals the batch delivered at that seq (the last
+    ``recent`` are kept); else the publisher restarted (RESET). ``from_zero``: a publisher's
+    stream starts at seq 0 (earlier seqs missing are a gap), else at the first seq seen. Past
+    ``max_pending`` held batches per publisher the holes are given up as GAPs.
     """
 
     def __init__(self, *, from_zero: bool = False, max_pending: int = 10_000, recent: int = 1024) -> None:
@@ -93,65 +99,53 @@ class SeqHealer:
         self.max_pending = max_pending
         self.recent_size = recent
         self.duplicates = 0
-        self._next: dict[str, int] = {}
-        self._pending: dict[str, dict[int, tuple[KVEventBatch, str, float, bool]]] = {}
+        self._trackers: dict[str, SeqTracker] = {}
         self._recent: dict[str, dict[int, KVEventBatch]] = {}
+
+    def _tracker(self, publisher: str, topic: str) -> SeqTracker:
+        t = self._trackers.get(publisher)
+        if t is None:
+            # can_replay: a hole is held open for its batches to fill, as a subscriber holds
+            # one for a replay; nobody sends the request (t.request is cleared after each push)
+            t = self._trackers[publisher] = SeqTracker(publisher, topic, can_replay=True, max_pending=self.max_pending,
+                                                       max_attempts=1 << 62)
+            if self.from_zero:
+                t.expected = 0
+        return t
 
     def push(self, publisher: str, seq: int, batch: KVEventBatch, *, replayed: bool = False,
              topic: str = "", recv_ts: float = 0.0) -> list[Delivery]:
-        out: list[Delivery] = []
-        nxt = self._next.get(publisher)
-        pending = self._pending.setdefault(publisher, {})
+        t = self._tracker(publisher, topic)
         recent = self._recent.setdefault(publisher, {})
-        if nxt is None:
-            nxt = self._next[publisher] = 0 if self.from_zero else seq
-        if seq < nxt:
-            if replayed or recent.get(seq) == batch:
-                self.duplicates += 1
-                return out
-            self._flush(publisher, out)  # the old run's held batches, then the restart
-            out.append(Delivery(RESET, publisher, topic, seq, None, recv_ts))
-            recent.clear()
-            nxt = self._next[publisher] = 0
-        if seq in pending:
+        exp = t.expected
+        if seq in t.pending or (exp is not None and seq < exp and (
+                replayed or recent.get(seq) == batch or seq > t.live_high)):
             self.duplicates += 1
-            return out
-        pending[seq] = (batch, topic, recv_ts, replayed)
-        self._drain(publisher, out)
-        if len(pending) > self.max_pending:
-            self._give_up_one(publisher, out)
+            return []
+        if t.recovering and seq < t.live_high and not (exp is not None and seq < exp):
+            out = t.on_fill(seq, batch, recv_ts, replayed)  # inside the hole: fills it
+        else:  # next in line, a new hole, or (below the expected seq) a restart: RESET
+            out = t.on_live(seq, batch, recv_ts, topic)
+        t.request = None
+        self._remember(recent, out)
         return out
 
-    def _drain(self, publisher: str, out: list[Delivery]) -> None:
-        pending, recent = self._pending[publisher], self._recent[publisher]
-        nxt = self._next[publisher]
-        while nxt in pending:
-            batch, topic, ts, replayed = pending.pop(nxt)
-            out.append(Delivery(BATCH, publisher, topic, nxt, batch, ts, 0, replayed))
-            recent[nxt] = batch
-            if len(recent) > self.recent_size:
-                del recent[next(iter(recent))]
-            nxt += 1
-        self._next[publisher] = nxt
-
-    def _give_up_one(self, publisher: str, out: list[Delivery]) -> None:
-        pending = self._pending[publisher]
-        nxt = self._next[publisher]
-        first = min(pending)
-        _, topic, ts, _ = pending[first]
-        out.append(Delivery(GAP, publisher, topic, nxt, None, ts, first - nxt, False, "lost"))
-        self._next[publisher] = first
-        self._drain(publisher, out)
-
-    def _flush(self, publisher: str, out: list[Delivery]) -> None:
-        while self._pending.get(publisher):
-            self._give_up_one(publisher, out)
+    def _remember(self, recent: dict[int, KVEventBatch], out: list[Delivery]) -> None:
+        for d in out:
+            if d.kind is BATCH:
+                recent[d.seq] = d.batch
+                if len(recent) > self.recent_size:
+                    del recent[next(iter(recent))]
+            elif d.kind is RESET:
+                recent.clear()
 
     def finish(self) -> list[Delivery]:
         """Holes still open are given up as GAPs; what was held after them is delivered."""
         out: list[Delivery] = []
-        for publisher in list(self._pending):
-            self._flush(publisher, out)
+        for publisher, t in self._trackers.items():
+            got = t.tick(float("inf"))
+            self._remember(self._recent.setdefault(publisher, {}), got)
+            out += got
         return out
 
 

@@ -4,6 +4,7 @@ from .codec import BatchDecoder, BatchEncoder, decode_batch, encode_batch, peek_
 from .config import EventPublisherFactory, KVEventsConfig
 from .delivery import Delivery, DeliveryKind, HealthState, PublisherHealth
 from .publisher_base import EventPublisher, NullEventPublisher, ShutdownReport
+from .source import SOURCES, EventSource, open_source
 from .topic import make_topic, parse_topic
 from .transport.zmq import PublisherSpec, Subscriber, ZmqEventPublisher, offset_endpoint
 from .errors import ConfigError, DecodeError, EndpointError, KVEventsError
@@ -27,6 +28,9 @@ __all__ = [
     "DeliveryKind",
     "EventPublisher",
     "EventPublisherFactory",
+    "EventSource",
+    "SOURCES",
+    "open_source",
     "HealthState",
     "KVEventsConfig",
     "NullEventPublisher",

@@ -1,6 +1,6 @@
 """The ``kvevents`` command.
 
-Verbs: ``tail`` (follow publishers, one line per event, a periodic health line), ``demo``
+Verbs: ``tail`` (follow publishers, or any event source, one line per event, a periodic health line), ``demo``
 (the main job), and ``record`` / ``replay`` / ``inspect`` / ``convert-capture``
 (:mod:`kvevents.cli_record`). Bad input is one line on stderr and exit code 2; an
 unreachable replay socket is exit code 3; no tracebacks for either.
@@ -65,14 +65,28 @@ def health_line(sub) -> str:
     return "# health: " + ("; ".join(parts) if parts else "no publisher heard yet")
 
 
-def cmd_tail(args: argparse.Namespace) -> int:
+def _open_tail_source(args: argparse.Namespace):
+    """A ZeroMQ subscriber (with replay endpoints and options) for tcp/ipc/inproc endpoints, else
+    whatever event source the URLs' scheme names (``file:run.kvrec``, ``nats://...``)."""
+    from .source import SOURCES, open_source
     from .transport.zmq import PublisherSpec, Subscriber
 
     replays = args.replay or []
     if len(replays) > len(args.endpoints):
         raise KVEventsError(f"{len(replays)} --replay endpoints for {len(args.endpoints)} publisher endpoint(s)")
+    zmq_schemes = ("tcp", "ipc", "inproc")
+    schemes = {ep.partition(":")[0].lower() for ep in args.endpoints}
+    if all(s in SOURCES.entries and s not in zmq_schemes for s in schemes):
+        if replays:
+            raise KVEventsError("--replay applies to ZeroMQ endpoints (tcp://, ipc://, inproc://) only")
+        return open_source(*args.endpoints), []
     specs = [PublisherSpec(ep, replays[i] if i < len(replays) else None) for i, ep in enumerate(args.endpoints)]
-    sub = Subscriber(specs, topic=args.topic, late_join=args.late_join, stale_after=args.stale_after)
+    return Subscriber(specs, topic=args.topic, late_join=args.late_join, stale_after=args.stale_after), specs
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    sub, specs = _open_tail_source(args)
+    replays = [s.replay_endpoint for s in specs if s.replay_endpoint]
     try:
         if replays:
             dead = [n for n, ok in sub.probe_replay(args.probe_timeout).items() if not ok]
@@ -87,7 +101,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, lambda *_: stop.set())
         start = last_health = time.monotonic()
         out = sys.stdout
-        while not stop.is_set():
+        while not stop.is_set() and not sub.ended:
             for d in sub.poll(100):
                 for line in format_delivery(d):
                     out.write(line + "\n")
@@ -124,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tail", help="follow publishers and print their events",
                        description="One line per event (hashes shortened, medium, block size, token count) and "
                                    "a periodic health line.")
-    p.add_argument("endpoints", nargs="+", metavar="ENDPOINT", help="PUB endpoint(s) to connect to")
+    p.add_argument("endpoints", nargs="+", metavar="ENDPOINT",
+                   help="PUB endpoint(s) to connect to, or another event source's URL (file:run.kvrec, nats://...)")
     p.add_argument("--replay", action="append", metavar="ENDPOINT",
                    help="replay endpoint of each publisher, in ENDPOINT order")
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")

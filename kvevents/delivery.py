@@ -1,4 +1,4 @@
-"""What a Subscriber hands its consumer: deliveries, and per-publisher health."""
+"""What an event source hands its consumer: deliveries, and per-publisher health."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from .events import KVEventBatch
 
 
 class DeliveryKind(enum.Enum):
-    BATCH = "batch"  #: a batch (decoded, or its payload in raw mode), in sequence order for its publisher
+    BATCH = "batch"  #: a batch (``batch`` decoded, or ``payload`` raw), in sequence order for its publisher
     RESET = "reset"  #: the publisher's sequence went backwards (it restarted): drop its state
     GAP = "gap"  #: batches were lost for good (replay could not cover them); ``missed`` says how many
 
@@ -20,13 +20,14 @@ class Delivery:
     publisher: str  #: the publisher's identity: its name in the subscriber's config, else its PUB endpoint
     topic: str
     seq: int  #: BATCH: the batch's seq; RESET: the first seq after the restart; GAP: the first missing seq
-    batch: KVEventBatch | None = None
+    batch: KVEventBatch | None = None  #: BATCH: the decoded batch only (None from a raw source)
     recv_ts: float = 0.0  #: wall-clock seconds when the frame was received
     missed: int = 0  #: GAP only: how many batches were lost
     replayed: bool = False  #: BATCH only: it came from the replay socket, not live
     reason: str = ""  #: GAP only: "lost" (replay could not cover it) or "malformed" (an undecodable payload)
-    #: BATCH from a ``Subscriber(raw=True)``: the payload, undecoded (``batch`` is then None);
-    #: the consumer decodes it (``KVRouter.apply_payload`` does, in C where it is built)
+    #: BATCH from a raw source (``Subscriber(raw=True)``, ``RecordingSource(decode=False)``): the
+    #: payload bytes, undecoded (``batch`` is then None; never bytes in ``batch``); the consumer
+    #: decodes it (``KVRouter.apply_payload`` does, in C where it is built)
     payload: bytes | None = None
 
 
@@ -47,4 +48,6 @@ class PublisherHealth:
     recovered: int = 0  #: batches delivered from replay to fill gaps
     unrecoverable: int = 0  #: batches lost for good
     resets: int = 0
+    replay_requests: int = 0  #: replay requests asked for (each gap, late join, retry)
+    replay_timeouts: int = 0  #: replay requests whose answer did not end in time (given up)
     malformed: dict[str, int] = field(default_factory=dict)  #: by kind: frames, seq, payload, replay

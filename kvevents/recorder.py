@@ -1,14 +1,17 @@
 """Record live publishers to a recording file, and publish a recording again.
 
-:class:`Recorder` connects one raw SUB socket per PUB endpoint (so every frame is kept exactly
-as sent, and the endpoint is the publisher's identity) and, where a replay endpoint is given, a
-DEALER to that publisher's replay socket: when the live seq jumps it asks for the missing
-batches, and records the answers (socket ``"replay"``) beside the live frames. Healing happens
-when the file is read (:mod:`kvevents.recordstream`), so the file holds what was on the wire.
+:class:`Recorder` is a consumer of a raw :class:`~kvevents.transport.zmq.Subscriber`: one SUB
+socket per PUB endpoint (the endpoint is the publisher's identity) and, where a replay endpoint
+is given, the subscriber's own gap healing (:class:`~kvevents.tracker.SeqTracker`) asks the
+publisher's replay socket for what the live stream missed. The subscriber's wire tap hands the
+recorder every message exactly as received, live frames (socket ``"pub"``) and replay answers
+with their end markers (socket ``"replay"``), so the file holds what was on the wire; healing
+happens again when the file is read (:mod:`kvevents.recordstream`), with the same tracker.
 
-:func:`replay_recording` publishes a recording through :class:`~kvevents.publisher.ZmqEventPublisher`
-with the recorded sequence numbers and timing (scaled by ``speed``); its replay socket answers
-replay requests from the ring as the original publisher would have.
+:func:`replay_recording` publishes a recording through
+:class:`~kvevents.transport.zmq.ZmqEventPublisher` with the recorded sequence numbers and timing
+(scaled by ``speed``); its replay socket answers replay requests from the ring as the original
+publisher would have.
 """
 
 from __future__ import annotations
@@ -20,37 +23,67 @@ from typing import Callable, Sequence
 
 import zmq
 
-from .transport.zmq.endpoints import validate_endpoint
-from .transport.zmq.frames import is_end_marker, is_replay_answer, replay_request
+from .delivery import DeliveryKind, HealthState, PublisherHealth
 from .errors import EndpointError
 from .recording import RecordingReader, RecordingWriter
 from .recordstream import DeliveryStream
-from .delivery import DeliveryKind
+from .transport.zmq.endpoints import validate_endpoint
+from .transport.zmq.frames import is_end_marker, is_live, is_replay_answer
+from .transport.zmq.subscriber import PublisherSpec, Subscriber
 
 __all__ = ["Recorder", "SourceProgress", "replay_recording", "ReplayReport"]
 
 
 @dataclass(slots=True)
 class SourceProgress:
-    """Per-publisher counters of a recorder."""
+    """Per-publisher counters of a recorder: what it wrote (counted here) and what its
+    subscriber's healing did (``health``, the subscriber's :class:`~kvevents.PublisherHealth`)."""
 
     endpoint: str
     replay_endpoint: str | None = None
+    backfill: bool = False  #: asks for what the publisher held before we joined (from seq 0)
     pub: int = 0  #: live messages recorded
     replay: int = 0  #: replay answers recorded (end markers included)
+    answered: int = 0  #: batches in replay answers
     last_seq: int | None = None  #: last live seq
     high: int | None = None  #: highest seq recorded from either socket (since the last restart)
-    gaps: int = 0  #: live seq jumps seen
-    resets: int = 0  #: live seq went backwards
-    replay_requests: int = 0
-    replay_timeouts: int = 0  #: requests whose end marker did not come within replay_timeout
     malformed: int = 0  #: messages that are not [topic, 8-byte seq, payload] (recorded anyway)
-    # request state
-    outstanding: float | None = None  #: when the outstanding request was sent
-    asked: int | None = None  #: start seq of the outstanding request (asked again if it times out)
-    want: int | None = None  #: a start seq to ask for once the outstanding request ends
-    backfill: bool = False  #: ask for what the publisher held before we joined (from seq 0)
-    answered: int = 0  #: batches in replay answers
+    health: PublisherHealth | None = None  #: the subscriber's view, as of the last poll
+
+    def _h(self, name: str) -> int:
+        return 0 if self.health is None else getattr(self.health, name)
+
+    @property
+    def gaps(self) -> int:
+        """Live seq jumps seen."""
+        return self._h("gaps")
+
+    @property
+    def resets(self) -> int:
+        """Publisher restarts seen (the live seq went backwards)."""
+        return self._h("resets")
+
+    @property
+    def replay_requests(self) -> int:
+        return self._h("replay_requests")
+
+    @property
+    def replay_timeouts(self) -> int:
+        """Replay requests whose answer did not end within ``replay_timeout`` (given up)."""
+        return self._h("replay_timeouts")
+
+    @property
+    def unrecoverable(self) -> int:
+        """Batches neither received live nor in a replay answer: missing from the recording too."""
+        return self._h("unrecoverable")
+
+    @property
+    def outstanding(self) -> int | None:
+        """While a replay request is outstanding, the first seq still missing; else None."""
+        h = self.health
+        if h is None or h.state is not HealthState.RECOVERING:
+            return None
+        return h.last_seq + 1
 
 
 class Recorder:
@@ -58,7 +91,8 @@ class Recorder:
 
     ``replay_endpoints``: None, or one per endpoint (None where a publisher has none).
     ``backfill``: also ask each publisher's replay socket for everything it still holds from
-    seq 0 (its answers are recorded; readers use them with ``late_join``).
+    seq 0 (its answers are recorded; readers use them with ``late_join``), again until the
+    publisher has something to give.
     """
 
     def __init__(self, writer: RecordingWriter, endpoints: Sequence[str], *,
@@ -82,122 +116,52 @@ class Recorder:
         self.frames = 0
         self.bytes = 0
         self.started = time.time()
-        self.sources: dict[str, SourceProgress] = {}
-        self._ctx = context or zmq.Context.instance()
-        self._poller = zmq.Poller()
-        self._subs: dict[zmq.Socket, SourceProgress] = {}
-        self._dealers: dict[zmq.Socket, SourceProgress] = {}
-        self._dealer_of: dict[str, zmq.Socket] = {}
-        try:
-            for ep, rep in zip(endpoints, replay_endpoints):
-                src = SourceProgress(ep, rep, backfill=backfill and rep is not None)
-                self.sources[ep] = src
-                sub = self._ctx.socket(zmq.SUB)
-                sub.setsockopt(zmq.LINGER, 0)
-                sub.setsockopt(zmq.RCVHWM, 0)
-                self._subs[sub] = src
-                sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-                sub.connect(ep)
-                self._poller.register(sub, zmq.POLLIN)
-                if rep is not None:
-                    dealer = self._ctx.socket(zmq.DEALER)
-                    dealer.setsockopt(zmq.LINGER, 0)
-                    self._dealers[dealer] = src
-                    self._dealer_of[ep] = dealer
-                    dealer.connect(rep)
-                    self._poller.register(dealer, zmq.POLLIN)
-        except zmq.ZMQError as exc:
-            self.close()
-            raise EndpointError(f"cannot connect to {ep!r}: {exc}") from None
-        now = time.monotonic()
-        for src in self.sources.values():
-            if src.backfill:
-                self._request(src, 0, now)
+        self.sources: dict[str, SourceProgress] = {
+            ep: SourceProgress(ep, rep, backfill=backfill and rep is not None)
+            for ep, rep in zip(endpoints, replay_endpoints)}
+        # raw: nothing is decoded; rcvhwm 0: the recorder keeps up or the kernel buffers, ZeroMQ drops nothing
+        self.sub = Subscriber([PublisherSpec(ep, rep) for ep, rep in zip(endpoints, replay_endpoints)],
+                              topic=topic, late_join=backfill, replay_timeout=replay_timeout, rcvhwm=0,
+                              context=context, raw=True)
+        self.sub.tap = self._write
 
-    # ---- replay requests ---------------------------------------------------------------------
-
-    def _request(self, src: SourceProgress, start: int, now: float) -> None:
-        if src.outstanding is not None:
-            src.want = start if src.want is None else min(src.want, start)
+    def _write(self, publisher: str | None, socket: str, frames: list[bytes]) -> None:
+        src = self.sources[publisher]
+        self.writer.write(frames, publisher, time.time(), socket)
+        self.frames += 1
+        self.bytes += sum(len(f) for f in frames)
+        if socket == "pub":
+            src.pub += 1
+            if not is_live(frames):
+                src.malformed += 1
+                return
+            seq = int.from_bytes(frames[1], "big")
+            restarted = src.last_seq is not None and seq <= src.last_seq
+            src.last_seq = seq
+            if restarted or src.high is None or seq > src.high:
+                src.high = seq
             return
-        self._dealer_of[src.endpoint].send_multipart(replay_request(start))
-        src.outstanding = now
-        src.asked = start
-        src.replay_requests += 1
-
-    def _on_live(self, src: SourceProgress, frames: list[bytes], now: float) -> None:
-        src.pub += 1
-        if len(frames) != 3 or len(frames[1]) != 8:
-            src.malformed += 1
-            return
-        seq = int.from_bytes(frames[1], "big")
-        if src.last_seq is not None and seq <= src.last_seq:
-            src.resets += 1  # the publisher restarted: start over from this seq
-            src.last_seq = src.high = seq
-            return
-        src.last_seq = seq
-        ref = src.high if src.high is not None else (-1 if src.backfill else None)
-        if ref is not None and seq > ref + 1:
-            if src.high is not None:
-                src.gaps += 1
-            if src.replay_endpoint is not None:
-                self._request(src, ref + 1, now)
-        if src.high is None or seq > src.high:
-            src.high = seq
-
-    def _on_replay(self, src: SourceProgress, frames: list[bytes], now: float) -> None:
         src.replay += 1
         if not is_replay_answer(frames):
             src.malformed += 1
-            return
-        if frames[1] == b"" and is_end_marker(frames):
-            src.outstanding = None
-            if src.want is not None:
-                start, src.want = src.want, None
-                self._request(src, start, now)
-        else:
+        elif not is_end_marker(frames):
             src.answered += 1
             seq = int.from_bytes(frames[2], "big")
             if src.high is None or seq > src.high:
                 src.high = seq
 
-    def _tick(self, now: float) -> None:
-        for src in self.sources.values():
-            if src.outstanding is not None and now - src.outstanding > self.replay_timeout:
-                # no end marker in time (a busy publisher, a loaded machine): ask again, from the
-                # earliest start still wanted, rather than leave a hole in the recording
-                src.outstanding = None
-                src.replay_timeouts += 1
-                start = src.asked if src.want is None else min(src.want, src.asked)
-                src.want = None
-                self._request(src, start, now)
-            elif src.backfill and src.outstanding is None and src.high is None:
-                self._request(src, 0, now)  # late join: ask again until the publisher has something
-
     # ---- loop --------------------------------------------------------------------------------
 
     def poll_once(self, timeout_ms: int = 100) -> int:
         """Wait up to ``timeout_ms`` for messages, record all that are ready; returns how many."""
-        n = 0
-        for sock, _ in self._poller.poll(timeout_ms):
-            src = self._subs.get(sock)
-            kind = "pub" if src is not None else "replay"
-            if src is None:
-                src = self._dealers[sock]
-            for _ in range(1000):
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                now = time.time()
-                self.writer.write(frames, src.endpoint, now, kind)
-                self.frames += 1
-                self.bytes += sum(len(f) for f in frames)
-                n += 1
-                mono = time.monotonic()
-                (self._on_live if kind == "pub" else self._on_replay)(src, frames, mono)
-        self._tick(time.monotonic())
-        return n
+        before = self.frames
+        self.sub.poll(timeout_ms)  # the deliveries themselves are not needed: the tap wrote the frames
+        for name, health in self.sub.health().items():
+            src = self.sources[name]
+            src.health = health
+            if src.backfill and src.high is None:
+                self.sub.rejoin(name)  # late join: ask again until the publisher has something
+        return self.frames - before
 
     def run(self, stop: threading.Event, *, duration: float | None = None,
             progress: Callable[["Recorder"], None] | None = None, progress_every: float = 1.0) -> None:
@@ -215,10 +179,7 @@ class Recorder:
                 progress(self)
 
     def close(self) -> None:
-        for sock in list(self._subs) + list(self._dealers):
-            sock.close(0)
-        self._subs.clear()
-        self._dealers.clear()
+        self.sub.close()
 
 
 # ---- replay ----------------------------------------------------------------------------------

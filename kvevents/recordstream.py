@@ -5,23 +5,27 @@
 the clock: live batches in order, gaps healed by the replay answers the recording holds (a
 replayed batch fills a gap; duplicates are dropped), held batches released when the answer ends
 or its time runs out, publisher restarts as RESET, what could not be healed as GAP.
+:class:`RecordingSource` is that stream as an :class:`~kvevents.source.EventSource`
+(``open_source("file:run.kvrec")``), for any consumer that takes a live subscriber.
 :func:`summarize` is what ``kvevents inspect`` prints.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from .codec import BatchDecoder
-from .delivery import Delivery, DeliveryKind
-from .errors import DecodeError
+from .delivery import Delivery, DeliveryKind, PublisherHealth
+from .errors import ConfigError, DecodeError
 from .events import AllBlocksCleared
-from .recording import Record, RecordingReader
+from .recording import Record, RecordingReader, capture_records
+from .source import EventSource
 from .tracker import SeqTracker
 
-__all__ = ["DeliveryStream", "iter_deliveries", "summarize", "PublisherSummary"]
+__all__ = ["DeliveryStream", "RecordingSource", "iter_deliveries", "summarize", "PublisherSummary"]
 
 _INF = float("inf")
 
@@ -100,6 +104,81 @@ class DeliveryStream:
             t = self.trackers[name]
             out += self._settle(t, t.tick(_INF))
         return out
+
+
+class RecordingSource(EventSource):
+    """A recording (``.kvrec``) or conformance capture (``.jsonl``) as an event source.
+
+    ``poll`` returns the next deliveries at once (up to ``chunk`` records' worth; the file is
+    read as it goes, never whole), then nothing once :attr:`ended`. ``health()`` is each
+    publisher's tracker, as a live subscriber's would read at that point of the stream.
+    ``late_join`` defaults to the recording's ``backfill`` flag; ``decode=False`` delivers raw
+    payloads (``Delivery.payload``), as ``Subscriber(raw=True)``.
+    """
+
+    def __init__(self, path, *, decode: bool = True, late_join: bool | None = None, chunk: int = 256,
+                 **stream_options: Any) -> None:
+        self.path = Path(path)
+        self._reader: RecordingReader | None = None
+        if self.path.suffix == ".jsonl":
+            records: Iterable[Record] = capture_records(self.path)
+            meta: dict[str, Any] = {}
+        else:
+            self._reader = RecordingReader(self.path)
+            records, meta = self._reader, self._reader.meta
+        if late_join is None:
+            late_join = bool(meta.get("backfill"))
+        self.stream = DeliveryStream(decode=decode, late_join=late_join, **stream_options)
+        self._records = iter(records)
+        self._chunk = chunk
+        self._ended = False
+        self._closed = False
+
+    @classmethod
+    def from_urls(cls, urls: list[str], **options: Any) -> "RecordingSource":
+        if len(urls) != 1:
+            raise ConfigError(f"a recording source reads one file, got {urls}")
+        url = urls[0]
+        path = url.split(":", 1)[1] if url.startswith(("file:", "recording:")) else url
+        if path.startswith("//"):
+            path = path[2:]
+        return cls(path, **options)
+
+    @property
+    def ended(self) -> bool:
+        return self._ended or self._closed
+
+    def poll(self, timeout_ms: int = 100) -> list[Delivery]:
+        if self._closed:
+            raise RuntimeError("RecordingSource is closed")
+        out: list[Delivery] = []
+        if self._ended:
+            return out
+        push = self.stream.push
+        for _ in range(self._chunk):
+            rec = next(self._records, None)
+            if rec is None:
+                out += self.stream.finish()
+                self._ended = True
+                break
+            out += push(rec)
+        return out
+
+    def health(self) -> dict[str, PublisherHealth]:
+        out = {}
+        for name, t in self.stream.trackers.items():
+            h = t.health
+            malformed = dict(h.malformed)
+            for kind, counter in (("frames", self.stream.malformed_frames), ("payload", self.stream.undecodable)):
+                if counter[name]:
+                    malformed[kind] = malformed.get(kind, 0) + counter[name]
+            out[name] = replace(h, state=t.state(h.last_recv_ts, float("inf")), malformed=malformed)
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+        if self._reader is not None:
+            self._reader.close()
 
 
 def iter_deliveries(records: Iterable[Record], **options: Any) -> Iterator[Delivery]:

@@ -15,6 +15,17 @@ sequence order, without duplicates:
   (missing early seqs of the new run are a gap as above); a live seq above the last live one
   but below the expected one was already delivered by a replay that ran ahead: dropped;
 * a malformed payload (seq known, batch undecodable) is a GAP of one with reason "malformed".
+
+What arrives (``item``) is a decoded :class:`KVEventBatch`, or the payload bytes for a raw
+subscriber (the tracker does not look inside), or None for an undecodable payload. A BATCH
+delivery carries a decoded item in ``Delivery.batch`` and raw bytes in ``Delivery.payload``,
+never one in the other's field.
+
+The same tracker heals every stream in the project: the live :class:`kvevents.Subscriber`
+(and the recorder, a consumer of a raw one), a recording read back
+(:class:`kvevents.recordstream.DeliveryStream`, the record's time as the clock), and
+hand-made streams whose batches arrive out of order (``consumers.recordtools.SeqHealer``,
+through :meth:`SeqTracker.on_fill`).
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ class SeqTracker:
         self.live_high = -1  # highest seq seen on the live socket (since the last restart)
         self.recovering = False
         self.late = False  # recovering for a late join: the first replayed seq sets `expected`
-        self.pending: dict[int, tuple[KVEventBatch | None, float]] = {}
+        self.pending: dict[int, tuple[KVEventBatch | bytes | None, float, bool]] = {}  # seq -> (item, time, replayed)
         self.attempts = 0
         self.request: int | None = None  # a replay request the socket layer must send
         self.deadline = 0.0
@@ -81,7 +92,7 @@ class SeqTracker:
         if self.expected is not None and seq < self.expected and not self.late:
             return out  # already delivered from a replay that ran ahead of the live socket
         if self.recovering:
-            self.pending[seq] = (batch, now)
+            self.pending[seq] = (batch, now, False)
             if len(self.pending) > self.max_pending:
                 self._abandon(out, now)
             return out
@@ -116,10 +127,47 @@ class SeqTracker:
             self._drain(out, now, may_retry=True)
         return out
 
+    def on_fill(self, seq: int, item, now: float, replayed: bool = True) -> list[Delivery]:
+        """A batch inside the hole being recovered that came another way than a replay answer
+        (a hand-made stream whose batches arrive out of order): held with the live batches;
+        the run from the expected seq on is delivered as soon as it is complete, and the
+        recovery ends when nothing is held any more. Ignored (returns nothing) when it is not
+        inside such a hole or is held already."""
+        out: list[Delivery] = []
+        exp = self.expected
+        if not self.recovering or exp is None or seq < exp or seq in self.pending:
+            return out
+        pending = self.pending
+        pending[seq] = (item, now, replayed)
+        if seq == exp:
+            while exp in pending:
+                item, t, rep = pending.pop(exp)
+                self._emit(out, exp, item, t, rep)
+                exp += 1
+            if not pending:
+                self.recovering = False
+                self.late = False
+                self.request = None
+                self.attempts = 0
+        elif len(pending) > self.max_pending:
+            self._abandon(out, now)
+        return out
+
+    def rejoin(self, now: float) -> bool:
+        """Ask again for everything from seq 0, as a late joiner does, when nothing has been
+        delivered yet and no request is outstanding (the first one went unanswered: the
+        publisher was not up). True when a request is now set."""
+        if not self.can_replay or self.recovering or self.expected is not None or self.pending:
+            return False
+        self.late = True
+        self._recover(0, now)
+        return True
+
     def tick(self, now: float) -> list[Delivery]:
         """Called as time passes: gives up a replay whose answer did not come in time."""
         out: list[Delivery] = []
         if self.recovering and now >= self.deadline:
+            self.health.replay_timeouts += 1
             self._abandon(out, now)
         return out
 
@@ -139,7 +187,7 @@ class SeqTracker:
         elif seq > exp:
             self.health.gaps += 1
             if self.can_replay and self.attempts < self.max_attempts:
-                self.pending[seq] = (batch, now)
+                self.pending[seq] = (batch, now, False)
                 self._recover(exp, now)
             else:
                 self._gap(out, exp, seq - exp, now, "lost")
@@ -175,6 +223,7 @@ class SeqTracker:
 
     def _recover(self, start: int, now: float) -> None:
         self.recovering = True
+        self.health.replay_requests += 1
         self.attempts += 1
         self.request = start
         self.deadline = now + self.replay_timeout
@@ -196,6 +245,6 @@ class SeqTracker:
                     self._recover(self.expected, now)
                     return
                 self._gap(out, self.expected, seq - self.expected, now, "lost")
-            batch, _ = self.pending.pop(seq)
-            self._emit(out, seq, batch, now)
+            batch, _, replayed = self.pending.pop(seq)
+            self._emit(out, seq, batch, now, replayed)
         self.attempts = 0

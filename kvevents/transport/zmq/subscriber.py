@@ -31,6 +31,7 @@ import zmq
 from ...codec import decode_batch
 from ...delivery import Delivery, HealthState, PublisherHealth
 from ...errors import DecodeError, EndpointError
+from ...source import EventSource
 from ...tracker import SeqTracker
 from .endpoints import validate_endpoint
 from .frames import END_SEQ, PROBE_SEQ, is_end_marker, is_replay_answer, replay_request
@@ -63,7 +64,9 @@ class _Peer:
         self.tracker = tracker
 
 
-class Subscriber:
+class Subscriber(EventSource):
+    """The ZeroMQ event source (see the module docstring); ``open_source("tcp://...")`` builds one."""
+
     def __init__(
         self,
         publishers: Iterable[str | PublisherSpec | tuple] = (),
@@ -101,6 +104,10 @@ class Subscriber:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         #: telemetry hook object (installed by kvevents.telemetry; None: the cost is one check)
         self.hooks = None
+        #: wire tap: ``tap(publisher, socket, frames)`` sees every message as received, before
+        #: any check or healing (``socket`` "pub" or "replay"; ``publisher`` None for the shared
+        #: bind-mode socket). The recorder writes what it is given. None: one check per message
+        self.tap = None
         specs = [self._spec(p) for p in publishers]
         if bind is None and not specs:
             raise EndpointError("Subscriber needs publisher endpoints, or bind=ENDPOINT for publishers to connect to")
@@ -118,6 +125,11 @@ class Subscriber:
         except zmq.ZMQError as exc:
             self.close()
             raise EndpointError(f"cannot open subscriber sockets: {exc}") from None
+
+    @classmethod
+    def from_urls(cls, urls: list[str], **options) -> "Subscriber":
+        """One subscriber connected to every PUB endpoint in ``urls``; ``options`` are the constructor's."""
+        return cls(urls, **options)
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -198,10 +210,13 @@ class Subscriber:
         out: list[Delivery] = []
         ready = self._poller.poll(timeout_ms)
         now = time.time()
+        tap = self.tap
         for sock, _ in ready:
             kind, peer = self._by_sock.get(sock, (None, None))
             if kind is None:
                 continue
+            if tap is not None:
+                where = ("replay" if kind == "replay" else "pub", None if peer is None else peer.name)
             recv = sock.recv
             more = sock.getsockopt
             for _ in range(_DRAIN):  # bounded drain per socket keeps publishers fair
@@ -212,6 +227,8 @@ class Subscriber:
                     break
                 while more(RCVMORE):
                     frames.append(recv())
+                if tap is not None:
+                    tap(where[1], where[0], frames)
                 if kind == "replay":
                     self._on_replay(peer, frames, now, out)
                     if peer.dealer is not sock:
@@ -295,6 +312,16 @@ class Subscriber:
         if hooks is not None:
             hooks.on_receive(peer.name, frames[1].decode(errors="replace"), seq, batch, len(frames[3]), t0, True)
         out.extend(tracker.on_replay(seq, batch, now))
+
+    def rejoin(self, publisher: str) -> bool:
+        """Ask ``publisher``'s replay socket again for everything from seq 0, if nothing has been
+        delivered from it yet and no request is outstanding (a late join whose first request went
+        unanswered because the publisher was not up yet). True when a request went out."""
+        peer = self._peers[publisher]
+        if not peer.tracker.rejoin(time.time()):
+            return False
+        self._send_request(peer)
+        return True
 
     # ---- iteration ---------------------------------------------------------------------------
 
