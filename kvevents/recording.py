@@ -42,8 +42,10 @@ Rules:
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
+import stat
 import struct
 import time
 import zlib
@@ -52,6 +54,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import msgspec
 
+from ._crcrange import RangeCRC
 from .errors import KVEventsError
 from .transport.zmq.frames import END_SEQ
 
@@ -75,6 +78,11 @@ MARK = b"\xa5\x5a"
 SOCKETS = ("pub", "replay")
 MAX_RECORD = 1 << 30  #: a LEN above this is damage, not a record
 
+MAX_META_DEPTH = 32  #: header metadata nested deeper is refused (printing it would recurse without end)
+
+_KIND = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device",
+         stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+_ARRAY_HEADS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
 _HEAD = struct.Struct(">8sHI")  # magic, version, meta length
 _U32 = struct.Struct(">I")
 _REC = struct.Struct(">2sII")  # mark, len, crc
@@ -119,11 +127,16 @@ class Record(msgspec.Struct, array_like=True, gc=False):
 
     @property
     def seq(self) -> int:
-        """The sequence number (signed: the replay end marker is -1). ValueError if malformed."""
+        """The sequence number: unsigned 64-bit as on the wire, except the replay end marker's -1.
+
+        ValueError if malformed.
+        """
         m = self.message
         if len(m) != 3 or len(m[1]) != 8:
             raise ValueError(f"{self.socket} message from {self.publisher!r} is malformed: {len(m)} frames")
-        return int.from_bytes(m[1], "big", signed=True)
+        if m[1] == END_SEQ and self.socket == "replay" and m[0] == b"":
+            return -1
+        return int.from_bytes(m[1], "big")
 
     @property
     def payload(self) -> bytes:
@@ -137,6 +150,22 @@ class Record(msgspec.Struct, array_like=True, gc=False):
 
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(Record)
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of lists and maps in ``obj``, without recursion (stops counting past MAX_META_DEPTH)."""
+    deepest, todo = 0, [(obj, 0)]
+    while todo:
+        o, d = todo.pop()
+        if isinstance(o, dict):
+            o = list(o.values())
+        if isinstance(o, list):
+            d += 1
+            if d > MAX_META_DEPTH:
+                return d
+            deepest = max(deepest, d)
+            todo.extend((v, d) for v in o)
+    return deepest
 
 
 def _header(meta: dict[str, Any]) -> bytes:
@@ -174,6 +203,8 @@ class RecordingWriter:
         self._unflushed = 0
         full_meta = {"created": time.time(), "writer": "kvevents"}
         full_meta.update(meta or {})
+        if _depth(full_meta) > MAX_META_DEPTH:
+            raise ValueError(f"recording metadata nests deeper than {MAX_META_DEPTH} levels")
         try:
             if mode == "a" and self.path.exists() and self.path.stat().st_size > 0:
                 with RecordingReader(self.path) as reader:
@@ -201,6 +232,8 @@ class RecordingWriter:
             raise ValueError(f"socket must be one of {SOCKETS}, got {socket!r}")
         if not isinstance(publisher, str):
             raise TypeError(f"publisher must be a str, got {type(publisher).__name__}")
+        if recv_ts is not None and not math.isfinite(recv_ts):
+            raise ValueError(f"recv_ts must be a finite time, got {recv_ts!r}")
         rec = Record(time.time() if recv_ts is None else float(recv_ts), publisher, socket,
                      [bytes(f) for f in frames])
         self.write_record(rec)
@@ -239,7 +272,8 @@ class RecordingReader:
 
     Counters (final once iteration ends): ``records``, ``truncated_bytes`` (unreadable bytes at
     the end), ``bad_records`` and ``skipped_bytes`` (damaged stretches followed by good records),
-    ``undecodable`` (records whose CRC matched but whose body is not a record: a writer bug).
+    ``undecodable`` (records whose CRC matched but whose body is not a record — a writer bug —, or
+    whose receive time is NaN).
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -250,7 +284,12 @@ class RecordingReader:
         self.skipped_bytes = 0
         self.undecodable = 0
         self.end_offset = 0  #: where the last good record ends
+        self._ranges: RangeCRC | None = None
         try:
+            st = os.stat(self.path)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO would block open() forever, a device read forever
+                raise RecordingError(f"cannot read recording {str(self.path)!r}: not a regular file "
+                                     f"({_KIND.get(stat.S_IFMT(st.st_mode), 'special file')})")
             self._f = open(self.path, "rb")
             size = os.fstat(self._f.fileno()).st_size
             self._buf: Any = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
@@ -281,14 +320,20 @@ class RecordingReader:
             raise NotARecordingError(f"{name!r}: recording header is damaged (CRC mismatch)")
         try:
             meta = msgspec.msgpack.decode(body)
+            too_deep = _depth(meta) > MAX_META_DEPTH
         except msgspec.DecodeError:
-            meta = None
+            meta, too_deep = None, False
+        except RecursionError:  # too deep for the decoder itself
+            meta, too_deep = None, True
+        if too_deep:
+            self.close()
+            raise NotARecordingError(f"{name!r}: recording header metadata nests deeper than {MAX_META_DEPTH} levels")
         if not isinstance(meta, dict):
             self.close()
             raise NotARecordingError(f"{name!r}: recording header metadata is not a map")
         return meta, version, end + 4
 
-    def _valid_at(self, pos: int) -> int:
+    def _valid_at(self, pos: int, ranges: RangeCRC | None = None) -> int:
         """End offset of a CRC-valid record at ``pos``, or -1."""
         buf = self._buf
         if pos + _REC.size > len(buf) or buf[pos:pos + 2] != MARK:
@@ -297,16 +342,23 @@ class RecordingReader:
         end = pos + _REC.size + length
         if length > MAX_RECORD or end > len(buf):
             return -1
-        if zlib.crc32(buf[pos + _REC.size:end], zlib.crc32(buf[pos + 2:pos + 6])) != crc:
-            return -1
-        return end
+        if ranges is not None and length and buf[pos + _REC.size] not in _ARRAY_HEADS:
+            return -1  # a body is a msgpack array: cheap to refuse most false MARKs before hashing
+        start = zlib.crc32(buf[pos + 2:pos + 6])
+        if ranges is not None:  # resynchronising: candidates overlap, each must cost O(1), not its length
+            got = ranges.crc(pos + _REC.size, end, start)
+        else:
+            got = zlib.crc32(buf[pos + _REC.size:end], start)
+        return end if got == crc else -1
 
     def _resync(self, pos: int) -> int:
-        """The next offset after ``pos`` where a valid record starts, or -1."""
+        """The next offset after ``pos`` where a valid record starts, or -1 (linear in the bytes passed)."""
         buf = self._buf
+        if self._ranges is None:
+            self._ranges = RangeCRC(buf, pos)
         while True:
             pos = buf.find(MARK, pos + 1)
-            if pos < 0 or self._valid_at(pos) >= 0:
+            if pos < 0 or self._valid_at(pos, self._ranges) >= 0:
                 return pos
 
     def __iter__(self) -> Iterator[Record]:
@@ -324,15 +376,21 @@ class RecordingReader:
                 continue
             try:
                 rec = _DEC.decode(buf[pos + _REC.size:end])
-            except msgspec.DecodeError:
-                self.undecodable += 1
+            except (msgspec.DecodeError, RecursionError):  # RecursionError: a hostile extra element nested deep
                 rec = None
+            if rec is not None and rec.recv_ts != rec.recv_ts:
+                rec = None  # no writer writes a NaN time: damage, not a clock to run the stream on
+            if rec is None:
+                self.undecodable += 1
             pos = self.end_offset = end
             if rec is not None:
                 self.records += 1
                 yield rec
 
     def close(self) -> None:
+        if self._ranges is not None:
+            self._ranges.close()
+            self._ranges = None
         if isinstance(self._buf, mmap.mmap):
             self._buf.close()
         self._buf = b""
@@ -364,10 +422,17 @@ def capture_records(jsonl_path: str | os.PathLike, publisher: str | None = None)
     path = Path(jsonl_path)
     publisher = publisher or f"capture:{path.name}"
     last_ts = 0.0
+    expected = 'a conformance capture is JSON Lines: one {"socket": "pub"|"replay", "frames": [hex, ...]} object a line'
     try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecordingError(f"cannot read capture {str(path)!r}: {exc}") from None
+        data = path.read_bytes()
+    except OSError as exc:
+        raise RecordingError(f"cannot read capture {str(path)!r}: {exc.strerror or exc}") from None
+    if data.startswith(MAGIC):
+        raise RecordingError(f"{str(path)!r} is already a kvevents recording, not a capture ({expected})")
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise RecordingError(f"{str(path)!r} is not a capture: byte {exc.start} is not UTF-8 text ({expected})") from None
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -376,7 +441,8 @@ def capture_records(jsonl_path: str | os.PathLike, publisher: str | None = None)
             socket = obj["socket"]
             frames = [bytes.fromhex(h) for h in obj["frames"]]
         except (ValueError, KeyError, TypeError) as exc:
-            raise RecordingError(f"{str(path)!r} line {lineno}: not a capture line ({exc})") from None
+            why = f"no {exc} key" if isinstance(exc, KeyError) else str(exc)
+            raise RecordingError(f"{str(path)!r} line {lineno}: not a capture line ({why}; {expected})") from None
         if socket not in SOCKETS:
             raise RecordingError(f"{str(path)!r} line {lineno}: unknown socket {socket!r}")
         rec = Record(last_ts, publisher, socket, frames)

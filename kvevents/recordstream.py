@@ -12,6 +12,7 @@ or its time runs out, publisher restarts as RESET, what could not be healed as G
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -222,7 +223,7 @@ def summarize(path, *, late_join: bool | None = None) -> dict[str, Any]:
     events: Counter[tuple[str, str]] = Counter()
     blocks: Counter[tuple[str, str]] = Counter()
     first_ts = last_ts = None
-    n_records = n_pub = n_replay = 0
+    n_records = n_pub = n_replay = bad_times = 0
     with RecordingReader(path) as reader:
         lj = bool(reader.meta.get("backfill")) if late_join is None else late_join
         stream = DeliveryStream(late_join=lj)
@@ -250,12 +251,16 @@ def summarize(path, *, late_join: bool | None = None) -> dict[str, Any]:
             s = pubs.get(rec.publisher)
             if s is None:
                 s = pubs[rec.publisher] = PublisherSummary(rec.publisher)
-            if first_ts is None or rec.recv_ts < first_ts:
-                first_ts = rec.recv_ts
-            if last_ts is None or rec.recv_ts > last_ts:
-                last_ts = rec.recv_ts
-            s.first_ts = rec.recv_ts if s.first_ts is None else s.first_ts
-            s.last_ts = rec.recv_ts
+            if not math.isfinite(rec.recv_ts):
+                bad_times += 1  # an infinite time: kept, but no time span (nor valid JSON) comes of it
+            else:
+                if first_ts is None or rec.recv_ts < first_ts:
+                    first_ts = rec.recv_ts
+                if last_ts is None or rec.recv_ts > last_ts:
+                    last_ts = rec.recv_ts
+            if math.isfinite(rec.recv_ts):
+                s.first_ts = rec.recv_ts if s.first_ts is None else s.first_ts
+                s.last_ts = rec.recv_ts
             if rec.socket == "replay":
                 n_replay += 1
                 if rec.is_end_marker:
@@ -284,6 +289,7 @@ def summarize(path, *, late_join: bool | None = None) -> dict[str, Any]:
             "path": str(reader.path), "bytes": reader.size, "version": reader.version, "meta": reader.meta,
             "records": n_records, "truncated_bytes": reader.truncated_bytes, "bad_records": reader.bad_records,
             "skipped_bytes": reader.skipped_bytes, "undecodable_records": reader.undecodable,
+            "infinite_times": bad_times,
         }
     return {
         "file": file_info,

@@ -193,7 +193,9 @@ class SeqTracker:
                 self._gap(out, exp, seq - exp, now, "lost")
                 self._emit(out, seq, batch, now)
         else:
-            self._reset(out, seq, now)
+            if seq < 0:  # never from the wire (8 unsigned bytes): recursing on it would never end
+                raise ValueError(f"seq must be an unsigned 64-bit int, got {seq}")
+            self._reset(out, seq, now)  # expected is 0 now, and 0 <= seq: one level deep
             return self._accept(out, seq, batch, now)
         return out
 
