@@ -12,9 +12,11 @@ import contextlib
 import datetime
 import functools
 import json
+import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 from .errors import KVEventsError
@@ -27,12 +29,29 @@ def _fail(verb: str, msg: str) -> int:
     return 2
 
 
+#: exit code when the reader of our stdout went away (``| head``): what a shell shows for SIGPIPE
+EXIT_BROKEN_PIPE = 128 + 13
+
+
+def broken_pipe() -> int:
+    """The reader of stdout is gone: no error message, no flush error at exit; :data:`EXIT_BROKEN_PIPE`."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush now goes nowhere
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
+
+
 def _guarded(verb: str) -> Callable:
     def deco(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
         @functools.wraps(fn)
         def run(args: argparse.Namespace) -> int:
             try:
                 return fn(args)
+            except BrokenPipeError:
+                return broken_pipe()
             except (KVEventsError, OSError, ValueError) as exc:
                 return _fail(verb, str(exc) or type(exc).__name__)
         return run
@@ -70,7 +89,10 @@ def _table(rows: list[list[Any]], header: list[str]) -> str:
 def _when(ts: float | None) -> str:
     if ts is None:
         return "-"
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(timespec="milliseconds")
+    try:
+        return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(timespec="milliseconds")
+    except (ValueError, OverflowError, OSError, TypeError):  # NaN, out of range, not a number (header meta)
+        return f"invalid ({ts!r:.40})"
 
 
 # ---- inspect ---------------------------------------------------------------------------------
@@ -90,7 +112,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"writer {meta.get('writer', '?')}, created {_when(meta.get('created'))})")
     print(f"messages    {f['records']:,} (pub {s['messages']['pub']:,}, replay {s['messages']['replay']:,})")
     print(f"damage      truncated tail {f['truncated_bytes']:,} bytes, bad records {f['bad_records']:,} "
-          f"({f['skipped_bytes']:,} bytes skipped)")
+          f"({f['skipped_bytes']:,} bytes skipped), undecodable records {f['undecodable_records']:,}"
+          + (f", infinite receive times {f['infinite_times']:,}" if f["infinite_times"] else ""))
     print(f"time span   {_when(t['first'])} .. {_when(t['last'])}  ({t['span_s']:.3f} s)")
     print()
     rows = []
@@ -185,9 +208,31 @@ def cmd_record(args: argparse.Namespace) -> int:
 # ---- replay ----------------------------------------------------------------------------------
 
 
+def _listener(endpoint: str, wait: float) -> bool:
+    """Whether something accepts TCP connections at a tcp:// ``endpoint`` within ``wait`` seconds.
+
+    Other schemes: True (an ipc:// or inproc:// peer cannot be probed this way). A PUB socket that
+    connects where nobody listens sends into the void without an error: say so up front.
+    """
+    import socket
+
+    if not endpoint.startswith("tcp://"):
+        return True
+    host, _, port = endpoint[6:].rpartition(":")
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(1.0, wait)):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)  # polling a port: no event to wait on
+
+
 @_guarded("replay")
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .transport.zmq.endpoints import validate_endpoint
+    from .transport.zmq.endpoints import should_bind, validate_endpoint
     from .recorder import recording_publishers, replay_recording
 
     if args.speed < 0:
@@ -209,8 +254,23 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return _fail("replay", f"the recording holds {len(names)} publisher(s) {names} but {len(args.to)} --to "
                                "endpoint(s) were given: give one --to per publisher, or choose with --publisher")
     targets = {name: (to, reps[i] if reps else None) for i, (name, to) in enumerate(zip(names, args.to))}
+    for to in args.to:
+        if not should_bind(to, args.mode) and not _listener(to, max(args.start_delay, 0.2)):
+            return _fail("replay", f"nothing listens on {to}: this replay connects there (--mode {args.mode}), and "
+                                   "nobody bound it — `kvevents tail` connects too, so the batches would go nowhere. "
+                                   "Let replay bind: --mode bind, or a tcp://*:PORT endpoint")
     stop = threading.Event()
     options = {"mode": args.mode}
+    last_progress = [time.monotonic(), 0]
+
+    def on_publish(publisher: str, seq: int) -> None:
+        last_progress[1] += 1
+        now = time.monotonic()
+        if not args.quiet and now - last_progress[0] >= args.progress_every:
+            last_progress[0] = now
+            print(f"replaying: {last_progress[1]:,} batches published (last: {publisher} seq {seq})",
+                  file=sys.stderr, flush=True)
+
     def on_published(report) -> None:
         if not args.quiet:
             print(f"published {sum(report.published.values()):,} batches"
@@ -224,7 +284,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         with _stop_on_signals(stop):
             report = replay_recording(args.file, targets, speed=args.speed, topic=args.topic, stop=stop,
                                       start_delay=args.start_delay, linger=args.linger,
-                                      publisher_options=options, on_published=on_published)
+                                      publisher_options=options, on_published=on_published,
+                                      on_publish=on_publish)
     except KeyboardInterrupt:
         return 0
     if not args.quiet:
@@ -291,7 +352,10 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--linger", type=float, default=0.0, metavar="S",
                    help="keep answering replay requests S seconds after the last batch")
     p.add_argument("--mode", choices=("auto", "bind", "connect"), default="auto",
-                   help="bind or connect the PUB socket (auto: bind ipc:// and wildcard hosts)")
+                   help="bind or connect the PUB socket (auto: bind ipc:// and wildcard hosts); connecting "
+                        "needs a peer that binds (kvevents tail connects)")
+    p.add_argument("--progress-every", type=float, default=2.0, metavar="S",
+                   help="a progress line on stderr every S seconds while publishing (default 2)")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_replay)
 

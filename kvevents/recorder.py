@@ -269,7 +269,7 @@ def replay_recording(path, targets: dict[str, tuple[str, str | None]], *, speed:
                     elif stop.is_set():
                         return False
                     payload = d.payload if d.batch is None else d.batch  # (a raw stream: the payload)
-                    pub.publish_raw(payload, seq=d.seq & 0xFFFFFFFFFFFFFFFF, topic=topic or d.topic)
+                    pub.publish_raw(payload, seq=d.seq & 0xFFFFFFFFFFFFFFFF, topic=d.topic if topic is None else topic)
                     report.published[d.publisher] += 1
                     if on_publish is not None:
                         on_publish(d.publisher, d.seq)
