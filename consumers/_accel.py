@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from array import array
+from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
@@ -57,6 +58,26 @@ def _self_check(mod: ModuleType, chain_py: Callable) -> str | None:
     return None
 
 
+def _why_missing(here: "Path | None" = None) -> str:
+    """Why the package imported has no ``_fastpath`` next to it: never built, or a source checkout
+    imported instead of the installed package (running from inside the checkout)."""
+    import importlib.machinery
+    import sys
+
+    here = here or Path(__file__).resolve().parent
+    suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    for entry in sys.path:
+        pkg = Path(entry or ".").resolve() / here.name
+        if pkg != here and any((pkg / f"_fastpath{sfx}").is_file() for sfx in suffixes):
+            return (f"not loaded: this process imports {here.name} from {here} (the current directory or "
+                    f"PYTHONPATH shadows the installed package at {pkg}, which has the C fast path built); "
+                    "run from outside the source checkout, or build it in place with `pip install -e .`; pure Python")
+    if (here / "_fastpath.c").is_file() and (here.parent / "setup.py").is_file():
+        return (f"not built in the source checkout at {here.parent} (import from an installed package, or build "
+                "it in place with `pip install -e .`; without a C compiler the build skips it); pure Python")
+    return "not built (no C compiler when the package was installed); pure Python"
+
+
 def load(chain_py: Callable) -> ModuleType | None:
     """The extension module if it is built, wanted and agrees with ``chain_py``; else None."""
     if os.environ.get("KVEVENTS_PURE_PYTHON", "") not in ("", "0"):
@@ -68,7 +89,7 @@ def load(chain_py: Callable) -> ModuleType | None:
         import importlib.util
 
         if importlib.util.find_spec(f"{__package__}._fastpath") is None:
-            reason = "not built (no C compiler when the package was installed); pure Python"
+            reason = _why_missing()
         else:
             reason = f"cannot be loaded ({exc}); pure Python"
         _STATE.update(module=None, reason=reason)

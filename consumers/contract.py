@@ -24,6 +24,12 @@ Rules, per publisher (and, for blocks, per data-parallel rank of that publisher)
 ``gpu-block-shape``
     A GPU BlockStored has ``block_size > 0`` and ``block_size`` tokens per block
     (``check_gpu_shape=False`` turns this off).
+``damaged-recording``
+    A recording fed to the checker has a torn tail, damaged records skipped, or undecodable
+    records: the test would run on less than was recorded (``allow_damage=True`` counts it instead).
+``empty-recording``
+    A recording fed to the checker delivered no batch at all: a test that checks nothing must not
+    pass (``allow_empty=True`` counts it instead).
 
 When a publisher's history is incomplete (its stream did not start at seq 0, or batches were
 lost for good), the reference rules (unknown-removal, stale-reference, offload-unjoined) cannot
@@ -45,10 +51,15 @@ from kvevents.recording import Record
 
 from .recordtools import Recording, SeqHealer, as_deliveries, pod_of
 
-__all__ = ["Rule", "ContractViolation", "ContractError", "ContractChecker", "check_stream", "feed", "FeedReport"]
+__all__ = ["CONSUMER_PROTOCOL", "Rule", "ContractViolation", "ContractError", "ContractChecker", "check_stream", "feed", "FeedReport"]
 
 BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
 GPU = "GPU"
+
+#: what :func:`feed` needs of a consumer (also the error message when it is missing)
+CONSUMER_PROTOCOL = ("A consumer implements apply(pod, batch) and reset_pod(pod); optionally handle(delivery) "
+                     "(then it gets every delivery as is, instead of apply/reset_pod) and on_gap(pod, delivery) "
+                     "or mark_unreliable(pod) (else a GAP calls reset_pod).")
 
 
 class Rule(str, enum.Enum):
@@ -59,6 +70,8 @@ class Rule(str, enum.Enum):
     OFFLOAD_BLOCK_SIZE = "offload-block-size"
     OFFLOAD_UNJOINED = "offload-unjoined"
     GPU_BLOCK_SHAPE = "gpu-block-shape"
+    DAMAGED_RECORDING = "damaged-recording"
+    EMPTY_RECORDING = "empty-recording"
 
 
 def _short(obj: Any, limit: int = 240) -> str:
@@ -124,7 +137,12 @@ class ContractChecker:
 
     def __init__(self, *, allow_unknown_removals: bool = False, allow_unjoined_offloads: bool = False,
                  allow_gaps: bool = False, check_gpu_shape: bool = True, check_parents: bool = True,
-                 from_zero: bool = False, max_pending: int = 10_000) -> None:
+                 from_zero: bool = False, max_pending: int = 10_000, allow_damage: bool = False,
+                 allow_empty: bool = False) -> None:
+        self.allow_damage = allow_damage
+        self.allow_empty = allow_empty
+        self._recordings = 0  # recordings fed: each must deliver batches (see finish)
+        self._empty_checked = False
         self.allow_unknown_removals = allow_unknown_removals
         self.allow_unjoined_offloads = allow_unjoined_offloads
         self.allow_gaps = allow_gaps
@@ -205,6 +223,7 @@ class ContractChecker:
             source = Recording.load(source)
         records = None
         if isinstance(source, Recording):
+            self.check_recording(source)
             options.setdefault("late_join", bool(source.meta.get("backfill")))
             records = source.records
         else:
@@ -229,10 +248,30 @@ class ContractChecker:
                 raise TypeError(f"expected Delivery, Record or (publisher, seq, batch[, replayed]), got {item!r:.80}")
         return self
 
+    def check_recording(self, rec: Recording) -> None:
+        """A recording is about to be fed: its damage is a violation (``allow_damage``), and it must
+        deliver at least one batch by :meth:`finish` (``allow_empty``)."""
+        self._recordings += 1
+        self._empty_checked = False
+        damage = {"torn tail bytes": rec.truncated_bytes, "damaged records skipped": rec.bad_records,
+                  "undecodable records": rec.undecodable}
+        found = ", ".join(f"{n:,} {what}" for what, n in damage.items() if n)
+        if found:
+            where = str(rec.path) if rec.path is not None else "the recording"
+            self._add(Rule.DAMAGED_RECORDING, ",".join(rec.publishers) or "-", None, None, None,
+                      f"{where} is damaged ({found}): the stream checked is less than what was recorded",
+                      counter="damaged_recordings", allowed=self.allow_damage)
+
     def finish(self) -> list[ContractViolation]:
         """End of the stream: holes still open are gaps. Returns every violation so far."""
         for d in self._healer.finish():
             self.feed_delivery(d)
+        if self._recordings and not self._empty_checked:
+            self._empty_checked = True
+            if not self.stats["batches"]:
+                self._add(Rule.EMPTY_RECORDING, "-", None, None, None,
+                          f"{self._recordings} recording(s) fed, no batch delivered: nothing was checked",
+                          counter="empty_recordings", allowed=self.allow_empty)
         return self.violations
 
     def assert_ok(self) -> None:
@@ -358,9 +397,16 @@ def feed(consumer: Any, source: Any, *, checker: ContractChecker | None = None,
     trusted). With a ``checker``, every delivery is also checked against the stream contract.
     """
     report = FeedReport()
+    handle = getattr(consumer, "handle", None) if use_handle else None
+    if not callable(handle):
+        missing = [f"{m}()" for m in ("apply", "reset_pod") if not callable(getattr(consumer, m, None))]
+        if missing:
+            raise TypeError(f"{type(consumer).__name__} cannot be fed: it has no {' and no '.join(missing)}. "
+                            f"{CONSUMER_PROTOCOL}")
     if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
         source = Recording.load(source)
-    handle = getattr(consumer, "handle", None) if use_handle else None
+    if checker is not None and isinstance(source, Recording):
+        checker.check_recording(source)
     gap_handler = on_gap
     if gap_handler is None and callable(getattr(consumer, "on_gap", None)):
         gap_handler = lambda c, p, d: c.on_gap(p, d)  # noqa: E731

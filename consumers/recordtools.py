@@ -43,6 +43,7 @@ class Recording:
     meta: dict[str, Any] = field(default_factory=dict)
     truncated_bytes: int = 0
     bad_records: int = 0
+    undecodable: int = 0  #: records with a valid CRC whose body is not a record (see RecordingReader)
 
     @classmethod
     def load(cls, source: str | os.PathLike, *, publisher: str | None = None) -> "Recording":
@@ -58,7 +59,7 @@ class Recording:
             records = list(reader)
         if publisher is not None:
             records = [Record(r.recv_ts, publisher, r.socket, r.frames) for r in records]
-        return cls(records, path, reader.meta, reader.truncated_bytes, reader.bad_records)
+        return cls(records, path, reader.meta, reader.truncated_bytes, reader.bad_records, reader.undecodable)
 
     @property
     def publishers(self) -> list[str]:
