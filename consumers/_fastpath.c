@@ -57,6 +57,8 @@
  * learned map is over its budget; 1: events before `next` applied, the rest need the Python
  * path; 3: not a batch this parser takes, nothing changed; 4: no current context for `rank`,
  * nothing changed. */
+static PyObject *str_touch;
+
 static PyObject *
 apply_impl(PyObject *payload, PyObject *contexts, PyObject *stamp, PyObject *tally_obj)
 {
@@ -208,10 +210,90 @@ py_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return apply_impl(args[0], args[1], args[2], args[3]);
 }
 
+
+/* ingest(by_pod, endpoints, pending_by_hash, pending, tally, finish, expire, pod, payload, *,
+ * model=None, strict=False): NativeIngestor.apply_payload, bound per ingestor with
+ * functools.partial so a batch that applies entirely in C costs no Python frame. It hands C's
+ * result to `finish(pod, payload, model, strict, result)` (result None: offloads wait for their
+ * GPU events, the whole batch goes to the Python path) and calls `expire()` while joins are
+ * pending: both are the NativeIngestor's own methods; nothing here reads a router. */
+static PyObject *
+py_ingest(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *model = Py_None, *strict = Py_False;
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (nargs < 9 || nargs > 11) {
+        PyErr_SetString(PyExc_TypeError, "apply_payload(pod, payload, *, model=None, strict=False)");
+        return NULL;
+    }
+    if (nargs > 9)
+        model = args[9];
+    if (nargs > 10)
+        strict = args[10];
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(name, "model") == 0)
+            model = args[nargs + i];
+        else if (PyUnicode_CompareWithASCIIString(name, "strict") == 0)
+            strict = args[nargs + i];
+        else {
+            PyErr_Format(PyExc_TypeError, "apply_payload() got an unexpected keyword argument '%U'", name);
+            return NULL;
+        }
+    }
+    PyObject *by_pod = args[0], *eps = args[1], *pending_by_hash = args[2], *pending = args[3], *tally = args[4];
+    PyObject *fin = args[5], *expire = args[6], *pod = args[7], *payload = args[8];
+    if (!PyDict_Check(by_pod)) {
+        PyErr_SetString(PyExc_TypeError, "apply_payload: contexts must be a dict");
+        return NULL;
+    }
+    int held = PyObject_IsTrue(pending_by_hash);
+    if (held < 0)
+        return NULL;
+    if (held) /* offloads waiting for their GPU events: the Python path resolves them */
+        return PyObject_CallFunctionObjArgs(fin, pod, payload, model, strict, Py_None, NULL);
+    PyObject *contexts = PyDict_GetItemWithError(by_pod, pod);
+    if (contexts == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        contexts = PyDict_New();
+        if (contexts == NULL || PyDict_SetItem(by_pod, pod, contexts) < 0) {
+            Py_XDECREF(contexts);
+            return NULL;
+        }
+        Py_DECREF(contexts); /* by_pod holds it */
+    }
+    PyObject *stamp = PyObject_GetAttr(eps, str_touch);
+    if (stamp == NULL)
+        return NULL;
+    PyObject *out = apply_impl(payload, contexts, stamp, tally);
+    Py_DECREF(stamp);
+    if (out == NULL)
+        return NULL;
+    if (out != Py_None) {
+        PyObject *r = PyObject_CallFunctionObjArgs(fin, pod, payload, model, strict, out, NULL);
+        Py_DECREF(out);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+    } else {
+        Py_DECREF(out);
+    }
+    int waiting = PyObject_IsTrue(pending);
+    if (waiting < 0)
+        return NULL;
+    if (waiting)
+        return PyObject_CallNoArgs(expire);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"chain_keys", py_chain_keys, METH_VARARGS, "Chained router keys of every full block (see consumers.keys)."},
     {"apply", (PyCFunction)(void (*)(void))py_apply, METH_FASTCALL,
      "apply(payload, contexts, stamp, tally): a KVEventBatch payload's common events (consumers.nativeingest)."},
+    {"ingest", (PyCFunction)(void (*)(void))py_ingest, METH_FASTCALL | METH_KEYWORDS,
+     "NativeIngestor.apply_payload: bind with functools.partial(ingest, by_pod, endpoints, pending_by_hash, "
+     "pending, tally, finish, expire)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -223,6 +305,8 @@ PyMODINIT_FUNC
 PyInit__fastpath(void)
 {
     if (PyType_Ready(&MaskTableType) < 0 || PyType_Ready(&LearnedTableType) < 0)
+        return NULL;
+    if (str_touch == NULL && (str_touch = PyUnicode_InternFromString("touch")) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

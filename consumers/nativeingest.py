@@ -21,6 +21,7 @@ the index, the learned hashes and every counter end exactly as :class:`Ingestor`
 
 from __future__ import annotations
 
+import functools
 from array import array
 
 from kvevents.codec import decode_batch
@@ -56,6 +57,11 @@ class NativeIngestor(Ingestor):
         self._tally = array("q", [0] * _FAST.TALLY_SLOTS)
         self._contexts: dict[str, dict[int, tuple]] = {}  #: pod -> rank -> context
         self.sync()
+        # the C front half (no Python frame for a batch C applies entirely); it hands whatever
+        # is left to finish_payload and calls expire_pending while joins wait
+        self.apply_payload = functools.partial(  # type: ignore[method-assign]
+            _FAST.ingest, self._contexts, self.eps, self.pending_by_hash, self.pending, self._tally,
+            self.finish_payload, self.expire_pending)
 
     def sync(self) -> None:
         t = self._tally
@@ -82,17 +88,20 @@ class NativeIngestor(Ingestor):
         self._contexts.pop(pod, None)
 
     def apply_payload(self, pod: str, payload: bytes, *, model: str | None = None, strict: bool = False) -> None:
-        if self.pending_by_hash:  # offloads waiting for their GPU events: the Python path resolves them
-            return self.apply(pod, decode_batch(payload), model=model, strict=strict)
-        ctxs = self._contexts.get(pod)
-        if ctxs is None:
-            ctxs = self._contexts[pod] = {}
-        out = self._c_apply(payload, ctxs, self.eps.touch, self._tally)
-        if out is not None:
-            self._finish(pod, payload, model, strict, ctxs, out)
-        if self.pending:
-            self.sync()
-            self._expire_pending()
+        """(Replaced per instance by the C front half, ``consumers._fastpath.ingest``.)"""
+        raise NotImplementedError
+
+    def expire_pending(self) -> None:
+        """Joins wait: expire those held too many batches."""
+        self.sync()
+        self._expire_pending()
+
+    def finish_payload(self, pod: str, payload: bytes, model: str | None, strict: bool, out: tuple | None) -> None:
+        """What C left to Python (``out``: its result; None: the whole batch, joins wait)."""
+        if out is None:
+            self.apply(pod, decode_batch(payload), model=model, strict=strict)
+            return
+        self._finish(pod, payload, model, strict, self._contexts[pod], out)
 
     def _finish(self, pod: str, payload: bytes, model: str | None, strict: bool, ctxs: dict, out: tuple) -> None:
         """What C left to Python: a context to build, the whole batch or the rest of it, what it
@@ -101,11 +110,11 @@ class NativeIngestor(Ingestor):
         if status == NO_CONTEXT:  # (nothing applied yet)
             ctxs[rank] = self._context(pod, rank, model)
             out = self._c_apply(payload, ctxs, self.eps.touch, self._tally)
-            if out is None:
-                return
-            status, nxt, block_size, token_mask, rank = out
-            if status == NO_CONTEXT:
-                raise RuntimeError("consumers._fastpath.apply refused a fresh context")
+            if out is not None:
+                if out[0] == NO_CONTEXT:
+                    raise RuntimeError("consumers._fastpath.apply refused a fresh context")
+                self._finish(pod, payload, model, strict, ctxs, out)
+            return
         if status == WHOLE:
             self.apply(pod, decode_batch(payload), model=model, strict=strict)
             return
