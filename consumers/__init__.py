@@ -6,6 +6,7 @@ from .router import KVRouter, pod_from_topic
 from .index import INDEX_BACKENDS, Index
 from .router_config import RouterConfig, RouterInputError, RouterStats
 from .score import Explanation, Score, TierMatch, best
+from .snapshot import SnapshotError, SnapshotInfo
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -17,6 +18,8 @@ __all__ = [
     "RouterInputError",
     "RouterStats",
     "Score",
+    "SnapshotError",
+    "SnapshotInfo",
     "TierMatch",
     "best",
     "fastpath_status",

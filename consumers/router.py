@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from . import feed
+from . import feed, snapshot
 from .endpoints import Endpoints, pod_from_topic
 from .index import Index, make_index
 from .ingest import Ingestor
@@ -42,6 +42,7 @@ class KVRouter:
             raise TypeError("pass either a RouterConfig or keyword overrides, not both")
         self._cfg = config
         self._build()
+        self.feed = feed.Feed()  #: deliveries -> this router (a place telemetry can wrap)
 
     def _build(self) -> None:
         config = self._cfg
@@ -55,7 +56,6 @@ class KVRouter:
         kind = NativeIngestor if native else Ingestor
         self._ingest: Ingestor = kind(config, self._eps, index, self._learned, self._stats)
         self.scorer = Scorer(config, self._eps, index, self._stats)
-        self.feed = feed.Feed()  #: deliveries -> this router (a place telemetry can wrap)
         self.apply_payload = self._ingest.apply_payload  # (bound: no facade frame per batch)
 
     # --- parts --------------------------------------------------------------------------------
@@ -169,6 +169,33 @@ class KVRouter:
     def explain(self, tokens: object, lora_name: str | None = None, *, model: str | None = None):
         """Pod -> one :class:`~consumers.score.Explanation` per data-parallel rank."""
         return self.scorer.explain(tokens, lora_name, model=model)
+
+    # --- snapshots -----------------------------------------------------------------------------
+    def snapshot(self, *, stream_seq: int | None = None) -> bytes:
+        """The whole state as versioned, checksummed bytes (see :mod:`consumers.snapshot`);
+        ``stream_seq``: the last stream sequence applied, returned by :meth:`restore`."""
+        return snapshot.save(self, stream_seq)
+
+    def restore(self, data: bytes) -> snapshot.SnapshotInfo:
+        """Replace the state with a snapshot's; :class:`~consumers.snapshot.SnapshotError` (and
+        an empty router: a cold start) for corrupt, truncated, future-version or foreign data."""
+        return snapshot.load_into(self, data)
+
+    def state_digest(self) -> str:
+        """A digest of the full state answers and joins come from (not the counters): equal
+        digests, equal index, learned maps, joins and endpoints (replicas compare these)."""
+        return snapshot.state_digest(self)
+
+    def _reset_parts(self) -> None:
+        """Fresh, empty parts (the configuration and any telemetry wrapper of the scorer stay)."""
+        old = self.scorer
+        self._build()
+        inner = old
+        while hasattr(inner, "inner") and hasattr(inner.inner, "inner"):
+            inner = inner.inner
+        if hasattr(inner, "inner"):
+            inner.inner = self.scorer
+            self.scorer = old
 
     # --- introspection ----------------------------------------------------------------------------
     def entries(self) -> int:
