@@ -4,7 +4,7 @@ from ._accel import status as fastpath_status
 from .keys import DEFAULT_BLOCK_SIZE, model_seed, request_keys
 from .router import KVRouter, pod_from_topic
 from .index import INDEX_BACKENDS, Index
-from .router_config import RouterConfig, RouterInputError, RouterStats
+from .router_config import PodRefused, RouterConfig, RouterInputError, RouterStats
 from .score import Explanation, Score, TierMatch, best
 from .snapshot import SnapshotError, SnapshotInfo
 
@@ -14,6 +14,7 @@ __all__ = [
     "INDEX_BACKENDS",
     "Index",
     "KVRouter",
+    "PodRefused",
     "RouterConfig",
     "RouterInputError",
     "RouterStats",

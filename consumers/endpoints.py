@@ -13,7 +13,7 @@ from kvevents.topic import parse_topic
 from .index import Index
 from .keys import model_seed
 from .learned import LearnedMap
-from .router_config import RouterConfig, RouterInputError
+from .router_config import PodRefused, RouterConfig, RouterInputError, RouterStats
 
 __all__ = ["BUILTIN_TIERS", "Endpoint", "Endpoints", "pod_from_topic"]
 
@@ -55,8 +55,10 @@ class Endpoints:
     layout, the tiers, an endpoint's learned shape); ``gen`` whenever what scoring depends on
     changes (endpoints, their states)."""
 
-    def __init__(self, config: RouterConfig, index: Index, learned: LearnedMap) -> None:
+    def __init__(self, config: RouterConfig, index: Index, learned: LearnedMap, stats: RouterStats) -> None:
         self.cfg = config
+        self.stats = stats
+        self.pinned = {pod: pub for pub, pod in config.publisher_pods.items()}  #: pod -> a publisher pinned to it
         self.index = index
         self.learned = learned
         self.by_key: dict[tuple[str, int], Endpoint] = {}
@@ -118,7 +120,34 @@ class Endpoints:
         return ep
 
     def admit(self, pod: str) -> None:
-        """Hook for a new pod (the pod bound lives here); raises RouterInputError to refuse it."""
+        """A new pod: refused (counted, :class:`PodRefused`) past ``max_pods``."""
+        if len(self.pod_model) >= self.cfg.max_pods and pod not in self.pod_model:
+            self.refuse("too_many_pods", f"pod {pod!r} refused: the router holds max_pods={self.cfg.max_pods} "
+                        "pods already")
+
+    def refuse(self, kind: str, msg: str) -> None:
+        stats = self.stats
+        stats.pods_refused += 1
+        stats.errors[kind] = stats.errors.get(kind, 0) + 1
+        raise PodRefused(msg)
+
+    def pod_for(self, publisher: str, topic: str) -> tuple[str, str | None]:
+        """``(pod, model)`` of a delivery: a pinned publisher's pod, else the topic's, else the
+        publisher identity. Refuses (counted, :class:`PodRefused`) an unpinned publisher when
+        ``pinned_only``, and a topic claiming a pod pinned to another publisher."""
+        pod, model = pod_from_topic(topic)
+        cfg = self.cfg
+        pinned = cfg.publisher_pods.get(publisher)
+        if pinned is not None:
+            return pinned, model
+        if cfg.pinned_only:
+            self.refuse("unpinned_publisher", f"publisher {publisher!r} refused: not in publisher_pods "
+                        "(pinned_only)")
+        pod = pod or publisher
+        if pod in self.pinned:
+            self.refuse("pod_claim_refused", f"publisher {publisher!r} refused: its topic {topic!r} names pod "
+                        f"{pod!r}, pinned to publisher {self.pinned[pod]!r}")
+        return pod, model
 
     def of_pod(self, pod: str) -> list[Endpoint]:
         return [ep for ep in self.by_key.values() if ep.pod == pod]

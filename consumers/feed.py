@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvevents.errors import DecodeError
 
-from .router_config import RouterInputError
+from .router_config import PodRefused, RouterInputError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .router import KVRouter
@@ -21,8 +21,7 @@ def handle(router: KVRouter, delivery: object) -> None:
     kind = getattr(getattr(delivery, "kind", None), "value", None)
     try:
         pod, model = router.pod_for(delivery.publisher, delivery.topic)  # type: ignore[attr-defined]
-    except RouterInputError as exc:  # a refused pod (bound, pinning): counted, nothing applied
-        router.count_error("refused_pod", str(exc))
+    except PodRefused:  # (a pin forbids it: counted in stats.pods_refused and stats.errors)
         return
     router.endpoints.pub_pod[delivery.publisher] = pod  # type: ignore[attr-defined]
     if kind == "batch":
@@ -40,6 +39,8 @@ def handle(router: KVRouter, delivery: object) -> None:
             except DecodeError as exc:  # a lost batch, as a subscriber that decodes reports it
                 router.count_error("malformed_payload", f"pod {pod!r}: seq {delivery.seq}: {exc}")  # type: ignore[attr-defined]
                 router.mark_unreliable(pod)
+        except PodRefused:  # (one pod past max_pods: counted in stats.pods_refused and stats.errors)
+            pass
         except RouterInputError as exc:
             router.count_error("bad_delivery", str(exc))
     elif kind == "reset":

@@ -52,7 +52,7 @@ class KVRouter:
         native = available(config, index)
         self._learned = LearnedMap(config.max_learned or config.max_entries,
                                    table=_FAST.LearnedTable if native else None)  # type: ignore[union-attr]
-        self._eps = Endpoints(config, index, self._learned)
+        self._eps = Endpoints(config, index, self._learned, self._stats)
         kind = NativeIngestor if native else Ingestor
         self._ingest: Ingestor = kind(config, self._eps, index, self._learned, self._stats)
         self.scorer = Scorer(config, self._eps, index, self._stats)
@@ -133,11 +133,8 @@ class KVRouter:
 
     # --- driving from an event source -------------------------------------------------------------
     def pod_for(self, publisher: str, topic: str) -> tuple[str, str | None]:
-        pod, model = pod_from_topic(topic)
-        configured = self._cfg.publisher_pods.get(publisher)
-        if configured is not None:
-            pod = configured
-        return (pod or publisher), model
+        """``(pod, model)`` of a delivery (:meth:`Endpoints.pod_for`: pins, refusals)."""
+        return self._eps.pod_for(publisher, topic)
 
     def handle(self, delivery: object) -> None:
         """Apply one :class:`kvevents.delivery.Delivery`."""

@@ -8,7 +8,7 @@ from kvevents.errors import ConfigError
 
 from .keys import DEFAULT_BLOCK_SIZE
 
-__all__ = ["RouterConfig", "RouterStats", "RouterInputError"]
+__all__ = ["PodRefused", "RouterConfig", "RouterStats", "RouterInputError"]
 
 
 class RouterInputError(ConfigError):
@@ -19,14 +19,26 @@ class RouterInputError(ConfigError):
     """
 
 
+class PodRefused(RouterInputError):
+    """A pod the router will not hold: one past ``max_pods``, or a claim a pin forbids."""
+
+
 @dataclass(slots=True)
 class RouterConfig:
     #: canonical block size of the router's keys (tokens per key)
     block_size: int = DEFAULT_BLOCK_SIZE
     #: model of pods whose topic does not name one (topic ``kv@<pod>@<model>`` wins)
     model: str | None = None
-    #: publisher identity -> pod name (else the pod comes from the topic, else the identity)
+    #: publisher identity -> pod name (else the pod comes from the topic, else the identity). A
+    #: pinned publisher's deliveries go to its pod whatever their topic says, and no other
+    #: publisher may claim a pinned pod through its topic (refused, counted)
     publisher_pods: dict[str, str] = field(default_factory=dict)
+    #: refuse deliveries from publishers not in publisher_pods (counted in stats.pods_refused)
+    pinned_only: bool = False
+    #: distinct pods held at most: a delivery or apply() naming one more is refused and counted
+    #: (the topic names the pod, so a publisher cycling topics would otherwise create pods without
+    #: bound — each one slows every score())
+    max_pods: int = 1024
     #: weight per tier; the match walks tiers from the heaviest to the lightest
     tier_weights: dict[str, float] = field(
         default_factory=lambda: {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}
@@ -62,7 +74,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_entries", "pending_capacity", "pending_max_batches", "max_tiers",
-                     "max_chunk_keys", "health_every"):
+                     "max_chunk_keys", "health_every", "max_pods"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"RouterConfig.{name} must be a positive int, got {v!r}")
@@ -102,6 +114,7 @@ class RouterStats:
     pending_expired: int = 0
     pending_dropped: int = 0  #: pushed out by pending_capacity
     pending_cancelled: int = 0  #: removed or cleared before they could be joined
+    pods_refused: int = 0  #: deliveries/batches refused: one pod past max_pods, or a pod claim a pin forbids
     lookups: int = 0  #: score() calls (pick() included)
     prompt_tokens: int = 0  #: tokens of the scored prompts
     #: per tier, the prefix tokens of the pod pick() would choose, summed over score() calls

@@ -96,7 +96,7 @@ def _from_u64le(data: bytes, what: str) -> list[int]:
     return a.tolist()
 
 
-def _body(router: KVRouter, stream_seq: int | None, by_key: bool = False) -> _Body:
+def _body(router: KVRouter, stream_seq: int | None) -> _Body:
     stats = router.stats  # (first: folds what the C path tallied)
     idx = router.index
     eps = router.endpoints
@@ -104,10 +104,7 @@ def _body(router: KVRouter, stream_seq: int | None, by_key: bool = False) -> _Bo
     words = max(1, (idx.cap * idx.max_tiers + 63) // 64)
     width = words * 8
     keys, masks, parents = [], bytearray(), []
-    items = idx.items()
-    if by_key:
-        items = sorted(items)
-    for k, m, p in items:
+    for k, m, p in idx.items():
         keys.append(k)
         masks += m.to_bytes(width, "little")
         parents.append(_NOPAR if p is None else p)
@@ -238,16 +235,36 @@ def load_into(router: KVRouter, data: bytes) -> SnapshotInfo:
 
 
 def state_digest(router: KVRouter) -> str:
-    """A digest of everything the router answers and joins from (the snapshot's body without
-    the counters, the stream seq, the pending joins' ages and the index's recency order): two
-    routers with equal digests hold the same index, learned maps, joins and endpoints. (Recency
-    is left out because a replayed offload can join a key later than the first pass did, which
-    only changes which key an eviction would take first.)"""
-    b = _body(router, None, by_key=True)
-    b.stats = {}
-    b.pending = sorted([h if isinstance(h, int) else repr(h), s, t] for h, s, t, _ in b.pending)
-    b.index_counts = []
-    b.learned_counts = [b.learned_counts[0]]
-    b.endpoints.sort(key=lambda e: (e[0], e[1]))  # (orders that are no state: dicts re-filled by a replay)
-    b.pod_model, b.pub_pod, b.health = (dict(sorted(d.items())) for d in (b.pod_model, b.pub_pod, b.health))
-    return hashlib.blake2b(msgspec.msgpack.encode(b), digest_size=16).hexdigest()
+    """A digest of everything the router answers and joins from, in canonical form: per key
+    the (pod, rank, tier) holding it and its parent; the learned maps; the pending joins by
+    (hash, pod, rank, tier); every endpoint's learned shape and state; pod attribution and
+    health. Two routers with equal digests give the same answers and joins. Left out: counters,
+    the stream seq, pending joins' ages, slot numbers (which free slot a re-created endpoint
+    gets is naming, not state) and recency order (a replayed offload can join a key later than
+    the first pass did, which only changes which key an eviction would take first)."""
+    idx = router.index
+    eps = router.endpoints
+    tiers = list(eps.tier_names)
+    owner = {t * idx.cap + ep.slot: (ep.pod, ep.rank, name) for ep in eps for t, name in enumerate(tiers)}
+    h = hashlib.blake2b(digest_size=16)
+    enc = msgspec.msgpack.Encoder()
+    for k, m, p in sorted(idx.items(), key=lambda it: it[0]):
+        held = []
+        while m:
+            low = m & -m
+            held.append(owner.get(low.bit_length() - 1, ("?", low.bit_length() - 1, "")))
+            m ^= low
+        held.sort()
+        h.update(enc.encode([k, held, p]))
+    learned = router.learned
+    h.update(enc.encode(sorted([model, bool(learned.odd[model][0]), [[a, b] for a, b in lmap.items()]]
+                               for model, lmap in learned.maps.items())))
+    by_slot = {ep.slot: ep for ep in eps}
+    h.update(enc.encode(sorted([repr(hh), by_slot[slot].pod, by_slot[slot].rank, tiers[t]]
+                               for hh, slot, t in router.ingestor.pending)))
+    h.update(enc.encode(sorted([ep.pod, ep.rank, ep.model, ep.block_size, sorted(ep.chunk_keys.items()),
+                                sorted([t, sorted(d.items(), key=repr)] for t, d in ep.odd_chunks.items()),
+                                sorted(ep.token_tiers), ep.unreliable] for ep in eps)))
+    h.update(enc.encode([tiers, sorted(eps.pod_model.items()), sorted(eps.pub_pod.items()),
+                         sorted(eps.health.items())]))
+    return h.hexdigest()

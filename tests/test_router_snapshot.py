@@ -81,7 +81,7 @@ def _scores(r: KVRouter, batches) -> list:
 
 
 @pytest.mark.parametrize("index", _backends())
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenario(), data=st.data())
 def test_restore_then_replay_from_at_or_before_the_snapshot_equals_never_stopping(index, sc, data):
     batches, config = sc
