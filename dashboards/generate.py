@@ -127,7 +127,8 @@ class Board:
             "type": "state-timeline", "title": title, "description": description, "datasource": PROM,
             "fieldConfig": {"defaults": {"mappings": [{"type": "value", "options": {
                 "0": {"text": "SYNCED", "color": "green"}, "1": {"text": "RECOVERING", "color": "orange"},
-                "2": {"text": "STALE", "color": "red"}}}]}, "overrides": []},
+                "2": {"text": "STALE", "color": "red"}, "3": {"text": "CONNECTING", "color": "blue"}}}]},
+                "overrides": []},
             "options": {"showValue": "auto", "mergeValues": True, "rowHeight": 0.8},
             "targets": _targets([(expr, legend)]),
         }, w, h)
@@ -237,8 +238,10 @@ def pipeline() -> Board:
         (rate("kvevents.subscriber.unrecoverable", p), "batches lost for good")], unit="ops")
     b.state_timeline("Health per publisher",
                      f'max by (publisher) ({metric("kvevents.subscriber.health")}{{{p}, state="RECOVERING"}}) '
-                     f'+ 2 * max by (publisher) ({metric("kvevents.subscriber.health")}{{{p}, state="STALE"}})',
-                     "{{publisher}}", description="0 SYNCED, 1 RECOVERING (a replay is outstanding), 2 STALE.")
+                     f'+ 2 * max by (publisher) ({metric("kvevents.subscriber.health")}{{{p}, state="STALE"}}) '
+                     f'+ 3 * max by (publisher) ({metric("kvevents.subscriber.health")}{{{p}, state="CONNECTING"}})',
+                     "{{publisher}}", description="0 SYNCED, 1 RECOVERING (a replay is outstanding), 2 STALE, "
+                                                  "3 CONNECTING (nothing heard from the publisher yet).")
     b.timeseries("Resets and malformed input", [
         (f"sum({metric('kvevents.subscriber.resets')}{{{p}}})", "publisher restarts"),
         (f"sum({metric('kvevents.subscriber.malformed')}{{{p}}}) or vector(0)", "malformed frames")],

@@ -333,7 +333,10 @@ def execute(opts: DemoOptions, out: TextIO = sys.stdout) -> tuple[int, DemoRun]:
             raise
         run.shutdown()
         telemetry_note = run.telemetry.shutdown()
-        return report.summary(run, telemetry_note), run
+        code = report.summary(run, telemetry_note)
+        if run.stopped_by == "SIGINT" and code == 0:
+            code = 130  # interrupted (Ctrl-C), as the README says; the summary is still printed
+        return code, run
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

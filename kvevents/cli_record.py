@@ -156,6 +156,32 @@ def _check_connectable(endpoint: str) -> None:
             raise EndpointError(f"endpoint {endpoint!r}: host {host!r} does not resolve ({exc})") from None
 
 
+#: exit code when a replay endpoint does not answer the start-up probe (as ``kvevents tail``)
+EXIT_NO_REPLAY = 3
+
+
+def _replay_answers(endpoint: str, timeout: float) -> bool:
+    """Whether the replay socket at ``endpoint`` answers an empty replay request within ``timeout`` s."""
+    import zmq
+
+    from .transport.zmq.frames import PROBE_SEQ, is_end_marker
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart((b"", PROBE_SEQ), zmq.NOBLOCK)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0 and sock.poll(max(1, int(left * 1000))):
+            if is_end_marker(sock.recv_multipart()):
+                return True
+        return False
+    except zmq.ZMQError:
+        return False
+    finally:
+        sock.close(0)
+
+
 def _progress_line(rec) -> str:
     elapsed = max(0.0, __import__("time").time() - rec.started)
     parts = [f"recording {elapsed:6.1f}s  {rec.frames:,} frames  {_human(rec.bytes)}"]
@@ -187,6 +213,11 @@ def cmd_record(args: argparse.Namespace) -> int:
         _check_connectable(validate_endpoint(ep))
     for ep in replays:
         _check_connectable(validate_endpoint(ep, what="--replay endpoint"))
+    dead = [ep for ep in replays if not _replay_answers(ep, args.probe_timeout)]
+    if dead:  # as `kvevents tail` does: a replay socket nobody answers on would leave every gap unhealed
+        print(f"kvevents record: error: replay endpoint {', '.join(dead)} did not answer within "
+              f"{args.probe_timeout}s (is the publisher running with a replay socket there?)", file=sys.stderr)
+        return EXIT_NO_REPLAY
     stop = threading.Event()
     with RecordingWriter(args.output, mode="a" if args.append else "w", meta=meta) as writer:
         recorder = Recorder(writer, endpoints, replay_endpoints=replays or None, topic=args.topic,
@@ -332,6 +363,9 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--backfill", action="store_true",
                    help="also record what each publisher's replay ring still holds from seq 0")
     p.add_argument("--append", action="store_true", help="append to FILE instead of replacing it")
+    p.add_argument("--probe-timeout", type=float, default=2.0, metavar="S",
+                   help="how long each --replay endpoint has to answer the start-up probe (default 2; "
+                        "exit code 3 if one does not)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=cmd_record)
 

@@ -32,6 +32,7 @@ class Delivery:
 
 
 class HealthState(enum.Enum):
+    CONNECTING = "CONNECTING"  #: nothing heard from the publisher yet (no frame, no replay answer or probe)
     SYNCED = "SYNCED"
     RECOVERING = "RECOVERING"  #: a gap was seen and a replay is outstanding
     STALE = "STALE"  #: nothing received for longer than the configured stale time

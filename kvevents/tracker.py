@@ -37,7 +37,7 @@ BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
 
 
 class SeqTracker:
-    __slots__ = ("publisher", "topic", "can_replay", "health", "expected", "live_high", "recovering", "late",
+    __slots__ = ("publisher", "topic", "can_replay", "health", "heard", "expected", "live_high", "recovering", "late",
                  "pending", "attempts", "request", "deadline", "replay_timeout", "max_pending",
                  "max_attempts")
 
@@ -48,6 +48,8 @@ class SeqTracker:
         self.topic = topic
         self.can_replay = can_replay
         self.health = PublisherHealth(publisher, last_recv_ts=now)
+        #: the publisher answered: a replay answer or end marker, or a probe (live frames count in health.received)
+        self.heard = False
         self.expected: int | None = None  # next seq to deliver; None before the first
         self.live_high = -1  # highest seq seen on the live socket (since the last restart)
         self.recovering = False
@@ -100,6 +102,7 @@ class SeqTracker:
 
     def on_replay(self, seq: int, batch: KVEventBatch | None, now: float) -> list[Delivery]:
         out: list[Delivery] = []
+        self.heard = True
         if not self.recovering:
             return out  # a late answer to a request already given up: ignored
         self.health.last_recv_ts = now
@@ -117,6 +120,7 @@ class SeqTracker:
 
     def on_replay_end(self, now: float) -> list[Delivery]:
         out: list[Delivery] = []
+        self.heard = True
         if self.recovering:
             if self.late and self.expected is None:
                 # an empty ring: nothing was published when we asked, so the stream starts at 0
@@ -174,6 +178,8 @@ class SeqTracker:
     def state(self, now: float, stale_after: float) -> HealthState:
         if self.recovering:
             return HealthState.RECOVERING
+        if not self.heard and not self.health.received:
+            return HealthState.CONNECTING  # never SYNCED with a publisher we have not heard
         if now - self.health.last_recv_ts > stale_after:
             return HealthState.STALE
         return HealthState.SYNCED

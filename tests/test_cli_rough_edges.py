@@ -127,3 +127,63 @@ def test_convert_capture_names_the_file_and_the_expected_format(tmp_path, capsys
     assert main(["convert-capture", str(bad), "-o", str(tmp_path / "o.kvrec")]) == 2
     err = capsys.readouterr().err.strip()
     assert str(bad) in err and expected in err and "JSON Lines" in err and "\n" not in err
+
+
+def test_record_with_a_dead_replay_endpoint_exits_3_as_tail_does(tmp_path, ipc, capsys):
+    out = tmp_path / "r.kvrec"
+    rc = main(["record", f"ipc://{ipc}/pub", "--replay", f"ipc://{ipc}/nobody", "--probe-timeout", "0.2",
+               "--duration", "1", "-o", str(out)])
+    assert rc == 3
+    err = capsys.readouterr().err
+    assert f"replay endpoint ipc://{ipc}/nobody did not answer within 0.2s" in err
+    assert not out.exists()  # nothing written: no misleading 'wrote 0 messages'
+
+
+def test_demo_interrupted_by_sigint_exits_130_with_the_summary(tmp_path):
+    import signal
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "kvevents.cli", "demo", "--duration", "120", "--engines", "1",
+                             "--no-baseline", "--record", str(tmp_path / "d.kvrec")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root)
+    lines = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("t="):  # running: the first progress line
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(lines) + rest
+    assert proc.returncode == 130, text + err
+    assert "summary (stopped by SIGINT" in text and "Traceback" not in err
+
+
+def test_a_publisher_never_heard_is_connecting_not_synced(capsys):
+    from kvevents import HealthState
+    from kvevents.cli import main as cli_main
+    from kvevents.tracker import SeqTracker
+
+    t = SeqTracker("p", now=0.0)
+    assert t.state(0.1, 10) is HealthState.CONNECTING
+    assert t.state(100.0, 10) is HealthState.CONNECTING  # never heard: not STALE either
+    t.on_live(0, KVEventBatch(1.0, []), 0.2)
+    assert t.state(0.3, 10) is HealthState.SYNCED
+    t2 = SeqTracker("q", can_replay=True, late_join=True, now=0.0)
+    t2.on_replay_end(0.1)  # an empty ring answered: heard
+    assert t2.state(0.2, 10) is HealthState.SYNCED
+    ep = f"tcp://127.0.0.1:{_free_port()}"  # nobody there
+    assert cli_main(["tail", ep, "--duration", "0.3", "--health-every", "0.1"]) == 0
+    health = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# health")]
+    assert health and all(f"{ep} CONNECTING" in line for line in health)

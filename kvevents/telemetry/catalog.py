@@ -119,7 +119,7 @@ CATALOG: tuple[MetricSpec, ...] = (
        "default 32; replayed included).",
        _S, "subscriber", "Subscriber.hooks.on_deliveries (per poll)", "kvevents_subscriber_lag_seconds", LATENCY_BUCKETS),
     _m("kvevents.subscriber.health", GAUGE, "1",
-       "1 for the publisher's current state (SYNCED, RECOVERING, STALE), 0 for the others.",
+       "1 for the publisher's current state (CONNECTING, SYNCED, RECOVERING, STALE), 0 for the others.",
        _S + ("state",), "subscriber", "health()[p].state", "kvevents_subscriber_health"),
     # ---- manager (manager.telemetry: CPUOffloadingManager, tiers, transfer jobs) ---------------
     _m("kvevents.manager.stores", COUNTER, "{block}", "Blocks stored into the tier.",

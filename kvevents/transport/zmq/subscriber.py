@@ -404,6 +404,8 @@ class Subscriber(EventSource):
                     if time.monotonic() >= deadline:
                         break
                 result[name] = ok
+                if ok:
+                    peer.tracker.heard = True  # the publisher's replay socket answered: not CONNECTING
             except zmq.ZMQError:
                 result[name] = False
             finally:
