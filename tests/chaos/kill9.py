@@ -1,0 +1,86 @@
+"""kill -9 helpers shared by tests/chaos and benchmarks/chaos.py: a publisher process to kill, and a
+judge of what a subscriber delivered across its restarts."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvevents import DeliveryKind, Subscriber
+from kvevents.recording import RecordingReader
+
+from tests.pubsub_helpers import ipc_pair
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_publisher(pub_ep: str, rep_ep: str, run: int) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "tests.chaos.peer_publisher", pub_ep, rep_ep, str(run)],
+                         cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def judge(deliveries) -> dict[str, int]:
+    """Per delivery of a multi-run stream: splices (a batch of a newer run after one of an older run
+    with no RESET between), RESETs, batches, reported losses, batches out of order within a run."""
+    out = {"splices": 0, "resets": 0, "batches": 0, "lost": 0, "disorder": 0}
+    run = None
+    last_seq = None
+    for d in deliveries:
+        if d.kind is DeliveryKind.RESET:
+            out["resets"] += 1
+            run = None
+            last_seq = None
+        elif d.kind is DeliveryKind.GAP:
+            out["lost"] += d.missed
+            last_seq = d.seq + d.missed - 1
+        else:
+            out["batches"] += 1
+            r, s = divmod(int(d.batch.ts), 1_000_000)
+            if s != d.seq:
+                out["splices"] += 1  # delivered under a seq that is not its own
+            if run is not None and r != run:
+                out["splices"] += 1
+            if last_seq is not None and d.seq != last_seq + 1:
+                out["disorder"] += 1
+            run, last_seq = r, d.seq
+    return out
+
+
+def kill_restart_rounds(rounds: int, rnd: random.Random, *, sub_timeout: float = 30.0) -> dict[str, int]:
+    pub_ep, rep_ep = ipc_pair()
+    sub = Subscriber([(pub_ep, rep_ep)], replay_timeout=2.0)
+    got = []
+    proc = start_publisher(pub_ep, rep_ep, 1)
+    try:
+        for run in range(1, rounds + 1):
+            want = rnd.randrange(1, 60)  # kill after this many of this run's batches arrived
+            end = time.monotonic() + sub_timeout
+            seen = 0
+            while seen < want and time.monotonic() < end:
+                for d in sub.poll(20):
+                    got.append(d)
+                    if d.kind is DeliveryKind.BATCH and int(d.batch.ts) // 1_000_000 == run:
+                        seen += 1
+            assert seen >= want, f"run {run}: {seen} of {want} batches arrived"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            proc = start_publisher(pub_ep, rep_ep, run + 1)
+        end = time.monotonic() + sub_timeout
+        while time.monotonic() < end and not any(
+                d.kind is DeliveryKind.BATCH and int(d.batch.ts) // 1_000_000 == rounds + 1 for d in got[-50:]):
+            got += sub.poll(20)
+    finally:
+        proc.kill()
+        proc.wait()
+        sub.close()
+    result = judge(got)
+    result["restarts"] = rounds
+    return result
+
+
