@@ -321,7 +321,7 @@ class RecordingReader:
         try:
             meta = msgspec.msgpack.decode(body)
             too_deep = _depth(meta) > MAX_META_DEPTH
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError):
             meta, too_deep = None, False
         except RecursionError:  # too deep for the decoder itself
             meta, too_deep = None, True
@@ -376,7 +376,7 @@ class RecordingReader:
                 continue
             try:
                 rec = _DEC.decode(buf[pos + _REC.size:end])
-            except (msgspec.DecodeError, RecursionError):  # RecursionError: a hostile extra element nested deep
+            except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):  # a hostile body: nested deep, bad UTF-8
                 rec = None
             if rec is not None and rec.recv_ts != rec.recv_ts:
                 rec = None  # no writer writes a NaN time: damage, not a clock to run the stream on

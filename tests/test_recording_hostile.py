@@ -207,3 +207,21 @@ def test_an_infinite_receive_time_is_kept_but_left_out_of_the_time_span(tmp_path
     s = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in JSON output"))
     assert s["file"]["infinite_times"] == 1 and s["time"]["span_s"] == 2.0
     assert s["publishers"]["A"]["batches"] == 3
+
+
+def test_invalid_utf8_in_a_record_or_the_header_is_damage_not_a_crash(tmp_path):
+    path = tmp_path / "u.kvrec"
+    with RecordingWriter(path) as w:
+        w.write(_frames(0), "A", 1.0)
+    body = b"\x94\xcb" + b"\0" * 8 + b"\xa1\x8d\xa3pub\x90"  # publisher: one byte that is not UTF-8
+    length = recording._U32.pack(len(body))
+    with open(path, "ab") as f:
+        f.write(recording.MARK + length + recording._U32.pack(zlib.crc32(body, zlib.crc32(length))) + body)
+        f.write(encode_record(Record(2.0, "A", "pub", _frames(1))))
+    with RecordingReader(path) as r:
+        assert [x.seq for x in r] == [0, 1] and r.undecodable == 1
+    meta = b"\x81\xa1\x8d\x01"
+    head = tmp_path / "h.kvrec"
+    head.write_bytes(recording._HEAD.pack(MAGIC, 1, len(meta)) + meta + recording._U32.pack(zlib.crc32(meta)))
+    with pytest.raises(NotARecordingError, match="metadata is not a map"):
+        RecordingReader(head)

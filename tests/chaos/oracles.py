@@ -245,7 +245,8 @@ def damage_recording(data: bytes, rnd: random.Random) -> bytes:
         return data[:i] + bytes([data[i] ^ (1 << rnd.randrange(8))]) + data[i + 1:]
     if op < 0.7:  # a crafted record with a valid CRC and a hostile body
         body = rnd.choice((b"\x95\xcb" + b"\0" * 8 + b"\xa1A\xa3pub\x90" + b"\x91" * 5000 + b"\x90",
-                           b"\x94\xcb\x7f\xf8" + b"\0" * 6 + b"\xa1A\xa3pub\x90", rnd.randbytes(20)))
+                           b"\x94\xcb\x7f\xf8" + b"\0" * 6 + b"\xa1A\xa3pub\x90",
+                           b"\x94\xcb" + b"\0" * 8 + b"\xa1\x8d\xa3pub\x90", rnd.randbytes(20)))
         rec = encode_record(Record(1.0, "A", "pub", [b"x"]))
         import zlib
 
