@@ -53,6 +53,7 @@ class EventPublisherFactory:
     _registry = LazyRegistry("publisher", {
         "zmq": ("kvevents.transport.zmq.publisher", "ZmqEventPublisher"),
         "null": ("kvevents.publisher_base", "NullEventPublisher"),
+        "nats": ("kvevents.transport.nats.publisher", "NatsEventPublisher"),
     })
 
     @classmethod

@@ -1,0 +1,298 @@
+"""The router's event source on the plane: a JetStream durable consumer, read as deliveries.
+
+``JetStreamSource(url, durable="replica-a", start_seq=...)`` gives what a ZeroMQ
+:class:`~kvevents.Subscriber` gives — BATCH (raw payloads), RESET, GAP deliveries, per-pod
+order, ``health()`` per pod — but read from the stream, so a router that starts late, or again,
+reads everything the stream still holds from ``start_seq`` (a snapshot's covered seq + 1).
+
+Flow: nats-py runs on a dedicated thread; a fetch task pulls up to ``fetch_batch`` messages at a
+time into a queue bounded by ``max_queued`` messages (when it is full the task waits — counted in
+``stats()['queue_full_waits']`` — and the server holds the rest: the consumer's
+``max_ack_pending`` is the in-flight window). ``poll()`` hands the caller what is queued. The
+consumer acknowledges "all up to here" (AckAll): with ``auto_ack`` every ``poll()`` first
+acknowledges what the previous one returned (the caller applied it before polling again, as
+``KVRouter.run`` does); otherwise call ``ack()`` after applying. ``position`` is the stream seq
+of the last delivery returned, ``acked`` that of the last one acknowledged.
+
+Per pod the source checks what it reads: a batch at or below the pod's last (run, seq) is a
+duplicate (counted, skipped); a run that moves on without a RESET message (the RESET was purged)
+gets a RESET delivery first; a seq that jumps is a GAP delivery. A message whose headers are
+malformed is counted and skipped. Nothing is dropped without a counter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+
+from ...delivery import Delivery, DeliveryKind, HealthState, PublisherHealth
+from ...errors import DecodeError
+from ._loop import LoopThread, connect
+from .wire import StreamSpec, parse_headers
+
+BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
+
+__all__ = ["JetStreamSource"]
+
+
+class _PodState:
+    __slots__ = ("health", "run", "last_seq")
+
+    def __init__(self, pod: str, now: float) -> None:
+        self.health = PublisherHealth(pod, last_recv_ts=now)
+        self.run = -1
+        self.last_seq = -1
+
+
+class JetStreamSource:
+    def __init__(self, url: str, *, durable: str = "kvrouter", stream: StreamSpec | None = None,
+                 start_seq: int | None = None, window: int = 4096, fetch_batch: int = 512, max_queued: int = 8192,
+                 auto_ack: bool = True, stale_after: float = 10.0, filter_subject: str | None = None) -> None:
+        if window < 1 or fetch_batch < 1 or max_queued < fetch_batch:
+            raise ValueError("window and fetch_batch must be >= 1, max_queued >= fetch_batch")
+        self.url = url
+        self.stream = stream or StreamSpec()
+        self.durable = durable
+        self.start_seq = start_seq
+        self.window = window
+        self.fetch_batch = fetch_batch
+        self.max_queued = max_queued
+        self.auto_ack = auto_ack
+        self.stale_after = stale_after
+        self.filter_subject = filter_subject or self.stream.subjects
+        self.position = (start_seq - 1) if start_seq else 0  #: stream seq of the last delivery returned
+        self.acked = self.position  #: stream seq of the last delivery acknowledged
+        self.stream_last = 0  #: the stream's last seq, as last read (about once a second)
+        self._stats = {"messages": 0, "deliveries": 0, "duplicates": 0, "malformed": 0, "queue_full_waits": 0,
+                       "fetch_errors": 0, "acks": 0, "disconnects": 0, "reconnects": 0, "errors": 0,
+                       "implied_resets": 0, "stream_gaps": 0}
+        self._pods: dict[str, _PodState] = {}
+        self._queue: deque = deque()
+        self._cond = threading.Condition()
+        self._last_msg = None
+        self._closed = False
+        self._lt = LoopThread(f"kvevents-js-{durable}")
+        try:
+            self._lt.call(self._start())
+        except BaseException:
+            self._lt.stop()
+            raise
+
+    # ---- loop thread ---------------------------------------------------------------------------
+
+    def _event(self, what: str) -> None:
+        self._stats[what] += 1
+
+    async def _start(self) -> None:
+        from nats.js import api
+        from nats.js.errors import NotFoundError
+
+        self.nc = await connect(self.url, f"kvevents-source-{self.durable}", on_event=self._event)
+        self.js = self.nc.jetstream()
+        await self.stream.ensure(self.js)
+        try:  # a replica (re)starts from ITS snapshot: the old consumer's position means nothing now
+            await self.js.delete_consumer(self.stream.name, self.durable)
+        except NotFoundError:
+            pass
+        if self.start_seq:
+            policy = dict(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.start_seq)
+        else:
+            policy = dict(deliver_policy=api.DeliverPolicy.ALL)
+        cfg = api.ConsumerConfig(durable_name=self.durable, ack_policy=api.AckPolicy.ALL,
+                                 max_ack_pending=self.window, filter_subject=self.filter_subject,
+                                 ack_wait=30.0, **policy)
+        await self.js.add_consumer(self.stream.name, cfg)
+        self.psub = await self.js.pull_subscribe_bind(self.durable, self.stream.name)
+        self._room = asyncio.Event()
+        await self._refresh_last()
+        self._task = asyncio.get_running_loop().create_task(self._fetch_loop())
+
+    async def _refresh_last(self) -> None:
+        info = await self.js.stream_info(self.stream.name)
+        self.stream_last = info.state.last_seq
+
+    async def _fetch_loop(self) -> None:
+        from nats.errors import TimeoutError as NatsTimeout
+
+        next_info = 0.0
+        while not self._closed:
+            if len(self._queue) + self.fetch_batch > self.max_queued:
+                self._stats["queue_full_waits"] += 1
+                self._room.clear()
+                try:
+                    await asyncio.wait_for(self._room.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            try:
+                now = time.monotonic()
+                if now >= next_info:
+                    next_info = now + 1.0
+                    await self._refresh_last()
+                msgs = await self.psub.fetch(self.fetch_batch, timeout=0.25)
+            except (NatsTimeout, asyncio.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                return
+            except Exception:
+                if self._closed:
+                    return
+                self._stats["fetch_errors"] += 1
+                await asyncio.sleep(0.2)  # the connection is down: nats-py reconnects by itself
+                continue
+            with self._cond:
+                self._queue.extend(msgs)
+                self._cond.notify()
+
+    # ---- caller thread ------------------------------------------------------------------------
+
+    def ack(self) -> None:
+        """Acknowledge every delivery returned so far (call after applying them)."""
+        msg, self._last_msg = self._last_msg, None
+        if msg is None:
+            return
+        self.acked = self.position
+        self._stats["acks"] += 1
+        self._lt.loop.call_soon_threadsafe(self._ack_now, msg)
+
+    def _ack_now(self, msg) -> None:
+        self._lt.loop.create_task(self._ack(msg))
+
+    async def _ack(self, msg) -> None:
+        try:
+            await msg.ack()
+        except Exception:
+            self._stats["errors"] += 1  # not redelivered to us: AckAll on a later message covers it
+
+    def poll(self, timeout_ms: int = 100) -> list[Delivery]:
+        if self._closed:
+            raise RuntimeError("JetStreamSource is closed")
+        if self.auto_ack:
+            self.ack()
+        with self._cond:
+            if not self._queue:
+                self._cond.wait(timeout_ms / 1000)
+            queue = self._queue
+            msgs = [queue.popleft() for _ in range(min(len(queue), self.fetch_batch * 2))]
+        if not msgs:
+            return []
+        if len(self._queue) + self.fetch_batch <= self.max_queued:
+            self._lt.loop.call_soon_threadsafe(self._room.set)
+        out: list[Delivery] = []
+        now = time.time()
+        for msg in msgs:
+            self._one(msg, now, out)
+        last = msgs[-1]
+        self._last_msg = last
+        self.position = last.metadata.sequence.stream
+        self._stats["messages"] += len(msgs)
+        self._stats["deliveries"] += len(out)
+        return out
+
+    def _pod(self, name: str, now: float) -> _PodState:
+        st = self._pods.get(name)
+        if st is None:
+            st = self._pods[name] = _PodState(name, now)
+        return st
+
+    def _one(self, msg, now: float, out: list) -> None:
+        try:
+            m = parse_headers(msg.headers)
+        except DecodeError:
+            self._stats["malformed"] += 1
+            return
+        st = self._pod(m.pod, now)
+        h = st.health
+        h.received += 1
+        h.last_recv_ts = now
+        if m.run < st.run:
+            self._stats["duplicates"] += 1  # an older run, seen before
+            return
+        if m.kind == "reset":
+            if m.run == st.run:
+                self._stats["duplicates"] += 1
+                return
+            st.run, st.last_seq = m.run, -1  # the new run starts afresh (its early seqs may follow)
+            h.resets += 1
+            out.append(Delivery(RESET, m.pod, m.topic, m.seq, None, now))
+            return
+        if m.run > st.run:
+            if st.run >= 0:  # the run moved on and its RESET is not in what we read
+                self._stats["implied_resets"] += 1
+                h.resets += 1
+                out.append(Delivery(RESET, m.pod, m.topic, m.seq, None, now))
+                st.last_seq = -1
+            else:
+                st.last_seq = m.seq - 1  # first sight of this pod: start where the stream does
+            st.run = m.run
+        if m.kind == "gap":
+            end = m.seq + m.missed - 1
+            if end <= st.last_seq:
+                self._stats["duplicates"] += 1
+                return
+            h.gaps += 1
+            h.unrecoverable += m.missed
+            st.last_seq = end
+            out.append(Delivery(GAP, m.pod, m.topic, m.seq, None, now, m.missed, reason=m.reason))
+            return
+        if m.seq <= st.last_seq:
+            self._stats["duplicates"] += 1
+            return
+        if m.seq > st.last_seq + 1 and st.last_seq >= 0:
+            self._stats["stream_gaps"] += 1
+            h.gaps += 1
+            h.unrecoverable += m.seq - st.last_seq - 1
+            out.append(Delivery(GAP, m.pod, m.topic, st.last_seq + 1, None, now, m.seq - st.last_seq - 1,
+                                reason="lost"))
+        st.last_seq = m.seq
+        h.last_seq = m.seq
+        out.append(Delivery(BATCH, m.pod, m.topic, m.seq, None, now, 0, False, "", msg.data))
+
+    def __iter__(self):
+        while not self._closed:
+            yield from self.poll(100)
+
+    def health(self) -> dict[str, PublisherHealth]:
+        now = time.time()
+        out = {}
+        for name, st in self._pods.items():
+            h = st.health
+            state = HealthState.STALE if now - h.last_recv_ts > self.stale_after else HealthState.SYNCED
+            out[name] = replace(h, state=state, malformed=dict(h.malformed))
+        return out
+
+    def lag(self) -> int:
+        """How many stream messages lie past what was acknowledged (as of the last stream read)."""
+        return max(0, self.stream_last - self.acked)
+
+    def stats(self) -> dict[str, int]:
+        return {**self._stats, "queued": len(self._queue), "position": self.position, "acked": self.acked,
+                "stream_last": self.stream_last, "lag": self.lag(), "pods": len(self._pods)}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self.auto_ack:
+            self.ack()
+        self._closed = True
+
+        async def _close():
+            self._task.cancel()
+            try:
+                await asyncio.wait_for(self.nc.drain(), 2)
+            except Exception:
+                pass
+        try:
+            self._lt.call(_close(), 5)
+        except Exception:
+            pass
+        self._lt.stop()
+
+    def __enter__(self) -> "JetStreamSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,151 @@
+"""What the event plane puts in a JetStream stream, and how it reads it back.
+
+One stream holds every pod's messages. A message's subject is ``<prefix>.<model>.<pod>`` (each
+token sanitised: NATS subject tokens cannot hold ``.``, ``*``, ``>`` or whitespace); its body is
+the engine's raw vLLM payload, untouched; its headers say where it came from:
+
+==============  =========================================================================
+``Kv-Kind``     ``batch`` | ``reset`` | ``gap`` (control messages have an empty body)
+``Kv-Pod``      the pod (engine) name, unsanitised
+``Kv-Topic``    the engine's ZeroMQ topic
+``Kv-Dp-Rank``  the data-parallel rank
+``Kv-Seq``      batch: the engine seq; reset: the first seq of the new run; gap: the first missing seq
+``Kv-Run``      the engine run: a counter the plane raises at every RESET of that pod
+``Kv-Missed``   gap only: how many batches were lost; ``Kv-Reason`` why
+``Nats-Msg-Id`` ``<pod>:<run>:<kind>:<seq>`` — JetStream's duplicate window drops a re-send
+==============  =========================================================================
+
+Control messages travel in the same stream as the batches, so every consumer sees a pod's
+RESET and GAP in order with its batches.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ...errors import ConfigError, DecodeError
+
+__all__ = ["PlaneMsg", "StreamSpec", "msg_id", "parse_headers", "plane_headers", "subject_for", "token"]
+
+KIND, POD, TOPIC, RANK, SEQ, RUN, MISSED, REASON = (
+    "Kv-Kind", "Kv-Pod", "Kv-Topic", "Kv-Dp-Rank", "Kv-Seq", "Kv-Run", "Kv-Missed", "Kv-Reason")
+MSG_ID = "Nats-Msg-Id"
+KINDS = ("batch", "reset", "gap")
+_BAD = re.compile(r"[^A-Za-z0-9_\-]")
+
+
+def token(name: str) -> str:
+    """``name`` as one NATS subject token: anything but letters, digits, ``_`` and ``-`` becomes ``_``."""
+    t = _BAD.sub("_", name)
+    return t or "_"
+
+
+def subject_for(prefix: str, model: str, pod: str) -> str:
+    return f"{prefix}.{token(model or 'default')}.{token(pod)}"
+
+
+def msg_id(pod: str, run: int, kind: str, seq: int) -> str:
+    return f"{pod}:{run}:{kind}:{seq}"
+
+
+def plane_headers(kind: str, pod: str, topic: str, rank: int, seq: int, run: int,
+                  missed: int = 0, reason: str = "") -> dict[str, str]:
+    h = {KIND: kind, POD: pod, TOPIC: topic, RANK: str(rank), SEQ: str(seq), RUN: str(run),
+         MSG_ID: msg_id(pod, run, kind, seq)}
+    if kind == "gap":
+        h[MISSED] = str(missed)
+        h[REASON] = reason or "lost"
+    return h
+
+
+@dataclass(slots=True)
+class PlaneMsg:
+    """One stream message's headers, checked."""
+
+    kind: str
+    pod: str
+    topic: str
+    rank: int
+    seq: int
+    run: int
+    missed: int = 0
+    reason: str = ""
+
+
+def _int(headers: dict, name: str, default: int | None = None) -> int:
+    raw = headers.get(name)
+    if raw is None:
+        if default is not None:
+            return default
+        raise DecodeError(f"event-plane message lacks header {name}")
+    try:
+        v = int(raw)
+    except (TypeError, ValueError):
+        raise DecodeError(f"event-plane header {name} is not an integer: {raw!r:.40}") from None
+    if v < 0 or v >= 1 << 63:
+        raise DecodeError(f"event-plane header {name} out of range: {v}")
+    return v
+
+
+def parse_headers(headers: dict | None) -> PlaneMsg:
+    """The headers of a stream message, checked; a :class:`DecodeError` names what is wrong."""
+    if not headers:
+        raise DecodeError("event-plane message has no headers")
+    kind = headers.get(KIND)
+    if kind not in KINDS:
+        raise DecodeError(f"event-plane header {KIND} is {kind!r:.40}, not one of {KINDS}")
+    pod = headers.get(POD)
+    if not pod:
+        raise DecodeError(f"event-plane message lacks header {POD}")
+    return PlaneMsg(kind, pod, headers.get(TOPIC, ""), _int(headers, RANK, 0), _int(headers, SEQ), _int(headers, RUN),
+                    _int(headers, MISSED, 0) if kind == "gap" else 0, headers.get(REASON, "") if kind == "gap" else "")
+
+
+@dataclass(slots=True)
+class StreamSpec:
+    """The stream the plane writes: its name, subject prefix and bounds.
+
+    ``max_bytes``/``max_age`` bound the stream (the oldest messages go first when hit: size it so
+    a snapshot period's worth always fits, see the README); ``duplicate_window`` is how long
+    JetStream remembers message ids (a re-send after a bridge restart is dropped within it).
+    """
+
+    name: str = "KVEVENTS"
+    prefix: str = "kvevents"
+    max_bytes: int = 1 << 30
+    max_age: float = 0.0  #: seconds; 0 = no age limit (the replicas' purge trims the stream)
+    duplicate_window: float = 120.0
+    storage: str = "file"  #: "file" (survives a server restart) or "memory"
+    replicas: int = 1  #: JetStream replication factor (3 on a real cluster)
+
+    def __post_init__(self) -> None:
+        if not self.name or _BAD.search(self.name):
+            raise ConfigError(f"stream name {self.name!r} must be letters, digits, _ or -")
+        if not self.prefix or any(not t or _BAD.search(t) for t in self.prefix.split(".")):
+            raise ConfigError(f"subject prefix {self.prefix!r} must be dot-separated tokens of letters, digits, _ or -")
+        if self.storage not in ("file", "memory"):
+            raise ConfigError(f"stream storage must be 'file' or 'memory', got {self.storage!r}")
+        if self.max_bytes <= 0 or self.duplicate_window <= 0 or self.replicas < 1:
+            raise ConfigError("stream max_bytes and duplicate_window must be > 0 and replicas >= 1")
+
+    @property
+    def subjects(self) -> str:
+        return f"{self.prefix}.>"
+
+    async def ensure(self, js) -> None:
+        """Create the stream, or update its bounds if it exists."""
+        from nats.js import api
+        from nats.js.errors import NotFoundError
+
+        cfg = api.StreamConfig(
+            name=self.name, subjects=[self.subjects], max_bytes=self.max_bytes,
+            max_age=self.max_age or None, duplicate_window=self.duplicate_window,
+            storage=api.StorageType.FILE if self.storage == "file" else api.StorageType.MEMORY,
+            num_replicas=self.replicas, discard=api.DiscardPolicy.OLD)
+        try:
+            await js.stream_info(self.name)
+        except NotFoundError:
+            await js.add_stream(cfg)
+        else:
+            await js.update_stream(cfg)

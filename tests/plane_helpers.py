@@ -1,0 +1,111 @@
+"""A real nats-server with JetStream for the event-plane tests: a free loopback port, a fresh
+store directory, torn down after; ``restart()`` keeps the port and the store (file storage)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.pubsub_helpers import free_tcp_port
+
+NATS_SERVER = shutil.which("nats-server") or ("/usr/sbin/nats-server" if Path("/usr/sbin/nats-server").exists() else None)
+
+
+class NatsServer:
+    def __init__(self, store: Path) -> None:
+        self.store = store
+        self.port = free_tcp_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log = store.parent / f"nats-{self.port}.log"
+
+    def start(self, deadline: float = 15.0) -> None:
+        self.proc = subprocess.Popen([NATS_SERVER, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store)],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
+        end = time.monotonic() + deadline
+        while time.monotonic() < end:  # ready once it accepts a connection and answers PING
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited: {self.log.read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.recv(4096)  # INFO
+                    s.sendall(b"CONNECT {}\r\nPING\r\n")
+                    if b"PONG" in s.recv(4096):
+                        return
+            except OSError:
+                time.sleep(0.02)  # not listening yet: a short back-off between connection attempts
+        raise RuntimeError("nats-server did not become ready")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture
+def nats_server(tmp_path):
+    if NATS_SERVER is None:
+        pytest.fail("nats-server not found: install Debian's nats-server (the README's test command does)")
+    srv = NatsServer(tmp_path / "js")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def stream_state(url: str, stream: str = "KVEVENTS"):
+    """(messages, last seq) of the stream, read with a short-lived client."""
+    import asyncio
+
+    import nats
+
+    async def go():
+        nc = await nats.connect(url)
+        try:
+            info = await nc.jetstream().stream_info(stream)
+            return info.state.messages, info.state.last_seq
+        finally:
+            await nc.close()
+    return asyncio.run(go())
+
+
+def wait_for(cond, what: str, deadline: float = 30.0, pump=None):
+    """Poll ``cond()`` (running ``pump()`` between tries) until it is truthy; fail naming ``what``."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        if pump is not None:
+            pump()
+        else:
+            time.sleep(0.02)  # polling observable state (stream info, a file): the interval of the poll
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def read_all(url: str, durable: str = "check", **kw) -> list:
+    """Every delivery the stream holds now, through a fresh JetStreamSource."""
+    from kvevents.transport.nats.source import JetStreamSource
+
+    _, last = stream_state(url)
+    out = []
+    with JetStreamSource(url, durable=durable, **kw) as src:
+        wait_for(lambda: src.position >= last, f"reading the stream up to seq {last}", pump=lambda: out.extend(src.poll(50)))
+        out.extend(src.poll(0))
+        stats = src.stats()
+    return out, stats

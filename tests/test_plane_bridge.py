@@ -1,0 +1,179 @@
+"""The bridge and the JetStream source against a real nats-server (see plane_helpers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from consumers import KVRouter
+from kvevents import DeliveryKind, EventPublisherFactory, KVEventsConfig, ZmqEventPublisher, encode_batch
+from kvevents.errors import DecodeError
+from kvevents.transport.nats.bridge import Bridge, EngineSpec
+from kvevents.transport.nats.wire import parse_headers, plane_headers, subject_for, token
+from tests.plane_helpers import nats_server, read_all, stream_state, wait_for  # noqa: F401
+from tests.pubsub_helpers import batch, ipc_pair
+
+BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
+
+
+def _kinds(ds, pod=None):
+    return [(d.kind.value, d.seq) for d in ds if pod is None or d.publisher == pod]
+
+
+def test_subject_tokens_and_headers_are_checked() -> None:
+    assert token("a.b c>*") == "a_b_c__"
+    assert subject_for("kvevents", "meta/llama.3", "pod.1") == "kvevents.meta_llama_3.pod_1"
+    h = plane_headers("gap", "p", "t", 2, 5, 1, missed=3)
+    m = parse_headers(h)
+    assert (m.kind, m.pod, m.rank, m.seq, m.run, m.missed, m.reason) == ("gap", "p", 2, 5, 1, 3, "lost")
+    assert h["Nats-Msg-Id"] == "p:1:gap:5"
+    for bad, what in (({**h, "Kv-Kind": "x"}, "Kv-Kind"), ({**h, "Kv-Seq": "-1"}, "Kv-Seq"),
+                      ({k: v for k, v in h.items() if k != "Kv-Run"}, "Kv-Run"), (None, "no headers")):
+        with pytest.raises(DecodeError, match=what):
+            parse_headers(bad)
+
+
+def test_bridge_to_source_same_deliveries_and_same_index_as_direct(nats_server) -> None:
+    pub_ep, rep_ep = ipc_pair()
+    with ZmqEventPublisher(endpoint=pub_ep, replay_endpoint=rep_ep, topic="kv@pod-a@m") as pub, \
+            Bridge(nats_server.url, [EngineSpec("pod-a", pub_ep, rep_ep, "m")]) as bridge:
+        batches = [batch(i, 3) for i in range(300)]
+        for b in batches:
+            pub.publish(b)
+        wait_for(lambda: stream_state(nats_server.url)[0] >= 300, "300 messages in the stream", pump=lambda: bridge.poll(20))
+        assert bridge.sender.flush(10)
+    got, stats = read_all(nats_server.url)
+    assert _kinds(got) == [("batch", i) for i in range(300)]
+    assert [d.payload for d in got] == [encode_batch(b) for b in batches]
+    assert stats["duplicates"] == stats["malformed"] == stats["stream_gaps"] == 0
+    via_plane, direct = KVRouter(), KVRouter()
+    for d in got:
+        via_plane.handle(d)
+    for b in batches:
+        direct.apply("pod-a", b, model="m")
+    assert via_plane.entries() == direct.entries() > 0
+    assert via_plane.score(list(range(16))) == direct.score(list(range(16)))
+
+
+def _bridge_cmd(url, pub_ep, rep_ep, status):
+    return [sys.executable, "-m", "kvevents.transport.nats.cli", "bridge", "--nats", url,
+            "--engine", f"pod-a={pub_ep},{rep_ep},model=m", "--status-file", str(status)]
+
+
+def test_bridge_kill9_mid_stream_stream_holds_every_batch_once_in_order(nats_server, tmp_path) -> None:
+    pub_ep, rep_ep = ipc_pair()
+    total = 1500
+    status = tmp_path / "bridge.json"
+    with ZmqEventPublisher(endpoint=pub_ep, replay_endpoint=rep_ep, topic="kv@pod-a@m") as pub:
+        first = subprocess.Popen(_bridge_cmd(nats_server.url, pub_ep, rep_ep, status))
+        try:
+            wait_for(status.exists, "the bridge's status file")
+            for i in range(600):
+                pub.publish(batch(i, 2))
+            # killed while it is forwarding: some of the first 600 stored, the rest still to come
+            wait_for(lambda: stream_state(nats_server.url)[0] >= 200, "200 messages stored before the kill")
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait()
+            stored_at_kill = stream_state(nats_server.url)[0]
+            for i in range(600, total):  # the engine goes on while no bridge runs
+                pub.publish(batch(i, 2))
+            second = subprocess.Popen(_bridge_cmd(nats_server.url, pub_ep, rep_ep, status))
+            try:
+                wait_for(lambda: stream_state(nats_server.url)[0] >= total, f"{total} messages in the stream")
+            finally:
+                second.send_signal(signal.SIGTERM)
+                assert second.wait(30) == 0
+        finally:
+            if first.poll() is None:
+                first.kill()
+    assert stored_at_kill < total  # the kill really was mid-stream
+    count, _ = stream_state(nats_server.url)
+    assert count == total  # nothing twice
+    got, stats = read_all(nats_server.url)
+    assert _kinds(got) == [("batch", i) for i in range(total)]  # every batch, once, in order
+    assert [d.payload for d in got] == [encode_batch(batch(i, 2)) for i in range(total)]
+    assert stats["duplicates"] == 0
+
+
+def test_engine_restart_through_the_plane_clears_the_pod(nats_server) -> None:
+    pub_ep, rep_ep = ipc_pair()
+    bridge = Bridge(nats_server.url, [EngineSpec("pod-a", pub_ep, rep_ep, "m")])
+    try:
+        with ZmqEventPublisher(endpoint=pub_ep, replay_endpoint=rep_ep, topic="kv@pod-a@m") as pub:
+            n1 = [0]
+
+            def first_run():  # published while the bridge runs, so it sees the seqs live (a restart is
+                for _ in range(20):  # told by the live seq going back; late-join replay is not live)
+                    pub.publish(batch(n1[0]))
+                    n1[0] += 1
+                bridge.poll(10)
+            wait_for(lambda: bridge.sub.health()["pod-a"].received >= 1000, "1000 live batches", pump=first_run)
+            wait_for(lambda: bridge.stats["batches"] >= n1[0], "the first run bridged", pump=lambda: bridge.poll(10))
+            n1 = n1[0]
+        with ZmqEventPublisher(endpoint=pub_ep, replay_endpoint=rep_ep, topic="kv@pod-a@m") as pub:
+            second = []
+
+            def engine_step():  # the restarted engine: seqs from 0 again, other blocks
+                # (ZeroMQ can tell a restart only while the new seqs stay below the old run's last one)
+                if len(second) < 900:
+                    pub.publish(batch(1000 + len(second)))
+                    second.append(len(second))
+                bridge.poll(10)
+            wait_for(lambda: bridge.stats["resets"] >= 1, "the restart seen", pump=engine_step)
+            n2 = len(second)
+            wait_for(lambda: bridge.stats["batches"] >= n1 + n2, "the rest of the second run", pump=lambda: bridge.poll(10))
+        assert bridge.sender.flush(10)
+    finally:
+        bridge.close()
+    got, _ = read_all(nats_server.url)
+    kinds = _kinds(got)
+    assert kinds[:n1] == [("batch", i) for i in range(n1)]
+    assert kinds[n1][0] == "reset"
+    assert kinds[n1 + 1:] == [("batch", i) for i in range(n2)]  # the new run's early seqs healed by replay
+    router = KVRouter()
+    for d in got:
+        router.handle(d)
+    direct = KVRouter()
+    for i in range(n2):
+        direct.apply("pod-a", batch(1000 + i), model="m")
+    assert router.entries() == direct.entries()  # the first run's blocks are gone, as with direct ZeroMQ
+
+
+def test_nats_server_restart_bridge_and_source_resume_without_loss(nats_server) -> None:
+    from kvevents.transport.nats.source import JetStreamSource
+
+    pub_ep, rep_ep = ipc_pair()
+    got = []
+    with ZmqEventPublisher(endpoint=pub_ep, replay_endpoint=rep_ep, topic="kv@pod-a@m") as pub, \
+            Bridge(nats_server.url, [EngineSpec("pod-a", pub_ep, rep_ep, "m")]) as bridge, \
+            JetStreamSource(nats_server.url, durable="live") as src:
+        for i in range(200):
+            pub.publish(batch(i))
+        wait_for(lambda: len(got) >= 200, "the first 200 read", pump=lambda: (bridge.poll(10), got.extend(src.poll(10))))
+        nats_server.restart()
+        for i in range(200, 400):
+            pub.publish(batch(i))
+        wait_for(lambda: len([d for d in got if d.kind is BATCH]) >= 400, "all 400 read after the restart",
+                 pump=lambda: (bridge.poll(10), got.extend(src.poll(10))))
+        assert bridge.sender.flush(10)
+    assert _kinds(got) == [("batch", i) for i in range(400)]
+    assert stream_state(nats_server.url)[0] == 400
+
+
+def test_nats_publisher_from_the_factory_and_its_restart(nats_server) -> None:
+    cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="nats", endpoint=nats_server.url, topic="kv@pod-n@m")
+    pub = EventPublisherFactory.create(cfg)
+    for i in range(50):
+        pub.publish(batch(i))
+    assert pub.shutdown(10).clean
+    pub = EventPublisherFactory.create(cfg)  # the engine restarts
+    for i in range(3):
+        pub.publish(batch(100 + i))
+    assert pub.shutdown(10).clean
+    got, _ = read_all(nats_server.url)
+    assert _kinds(got) == [("batch", i) for i in range(50)] + [("reset", 0)] + [("batch", i) for i in range(3)]
+    assert {d.publisher for d in got} == {"kv@pod-n@m"}
