@@ -282,7 +282,7 @@ class JetStreamSource:
         async def _close():
             self._task.cancel()
             try:
-                await asyncio.wait_for(self.nc.drain(), 2)
+                await asyncio.wait_for(self.nc.close(), 2)
             except Exception:
                 pass
         try:

@@ -1,0 +1,154 @@
+"""The replicas' shared state on JetStream: snapshots in an object store bucket, each replica's
+covered stream seq and the purge lease in a key-value bucket.
+
+* ``snapshots`` (object store): one object per replica, ``<replica>``, its latest snapshot; the
+  object's description is ``{"stream_seq": N, "bytes": B}`` so a starting replica picks the
+  newest without downloading the others.
+* ``replicas`` (key-value, entries expire after ``ttl`` seconds): ``cover.<replica>`` = the
+  stream seq that replica's saved snapshot covers (it re-puts it every heartbeat, so a dead
+  replica's entry disappears after ``ttl``); ``purge-lease`` = who purges now (``create`` only
+  succeeds when the key is absent, and the lease expires with the bucket's ``ttl`` if its
+  holder dies).
+
+Purging: the lease holder removes stream messages up to the LOWEST seq every live replica
+covers. A replica publishes its cover (the snapshot it loaded, or 0) before it reads a
+message, so a live replica's unread messages are never purged.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from kvevents.errors import KVEventsError
+
+__all__ = ["PlaneStore"]
+
+LEASE = "purge-lease"
+
+
+class PlaneStore:
+    """Coroutines run on the caller's nats-py loop (``js`` is a JetStreamContext)."""
+
+    def __init__(self, js, *, stream: str = "KVEVENTS", snapshots: str = "kvrouter-snapshots",
+                 replicas: str = "kvrouter-replicas", ttl: float = 5.0, storage: str = "file") -> None:
+        self.js = js
+        self.stream = stream
+        self.snapshots_bucket = snapshots
+        self.replicas_bucket = replicas
+        self.ttl = ttl
+        self.storage = storage
+        self.obs = None
+        self.kv = None
+
+    async def open(self) -> None:
+        from nats.js import api
+        from nats.js.errors import BucketNotFoundError, NotFoundError
+
+        st = api.StorageType.FILE if self.storage == "file" else api.StorageType.MEMORY
+        try:
+            self.obs = await self.js.object_store(self.snapshots_bucket)
+        except (BucketNotFoundError, NotFoundError):
+            self.obs = await self.js.create_object_store(self.snapshots_bucket, storage=st)
+        try:
+            self.kv = await self.js.key_value(self.replicas_bucket)
+        except (BucketNotFoundError, NotFoundError):
+            self.kv = await self.js.create_key_value(api.KeyValueConfig(bucket=self.replicas_bucket, ttl=self.ttl,
+                                                                        storage=st, history=1))
+
+    # ---- snapshots ------------------------------------------------------------------------------
+
+    async def save(self, replica: str, data: bytes, stream_seq: int) -> None:
+        from nats.js import api
+
+        desc = json.dumps({"stream_seq": stream_seq, "bytes": len(data), "saved_at": time.time()})
+        await self.obs.put(replica, data, meta=api.ObjectMeta(name=replica, description=desc))
+
+    async def candidates(self) -> list[tuple[int, str]]:
+        """Saved snapshots as (stream_seq, object name), newest first."""
+        from nats.js.errors import NotFoundError
+
+        try:
+            infos = await self.obs.list()
+        except NotFoundError:
+            return []
+        out = []
+        for info in infos:
+            try:
+                seq = int(json.loads(info.description or "{}").get("stream_seq", -1))
+            except (ValueError, TypeError, AttributeError):
+                seq = -1  # a foreign or damaged description: tried last
+            out.append((seq, info.name))
+        out.sort(reverse=True)
+        return out
+
+    async def load(self, name: str) -> bytes:
+        res = await self.obs.get(name)
+        return res.data
+
+    # ---- covered seqs and the purge lease --------------------------------------------------------
+
+    async def cover(self, replica: str, stream_seq: int) -> None:
+        await self.kv.put(f"cover.{replica}", json.dumps({"seq": stream_seq, "ts": time.time()}).encode())
+
+    async def covers(self) -> dict[str, int]:
+        """Every live replica's covered seq (entries past their ttl are gone)."""
+        from nats.js.errors import NoKeysError
+
+        try:
+            keys = await self.kv.keys()
+        except NoKeysError:
+            return {}
+        out = {}
+        for key in keys:
+            if not key.startswith("cover."):
+                continue
+            try:
+                entry = await self.kv.get(key)
+                out[key[6:]] = int(json.loads(entry.value)["seq"])
+            except Exception:  # deleted meanwhile, or a damaged value: not a cover we can trust
+                continue
+        return out
+
+    async def purge_below(self, cut: int) -> int:
+        """Remove every message with a seq below ``cut``, except each subject's LAST message: a
+        bridge or publisher that restarts reads its pod's last (run, seq) there, and a purged
+        pod history would look like a new pod. Returns how many messages went."""
+        info = await self.js.stream_info(self.stream, subjects_filter=">")
+        before = info.state.messages
+        if info.state.first_seq >= cut:
+            return 0
+        for subject in (info.state.subjects or {}):
+            last = (await self.js.get_last_msg(self.stream, subject)).seq
+            upto = min(cut, last)  # purge removes seqs < upto on that subject
+            if upto > info.state.first_seq:
+                await self.js.purge_stream(self.stream, seq=upto, subject=subject)
+        after = (await self.js.stream_info(self.stream)).state.messages
+        return max(0, before - after)
+
+    async def try_purge(self, replica: str) -> int:
+        """If the lease is free, take it and purge the stream up to the lowest covered seq.
+        Returns how many messages were purged (0 if another replica holds the lease)."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        try:
+            rev = await self.kv.create(LEASE, replica.encode())
+        except KeyWrongLastSequenceError:
+            return 0
+        try:
+            covers = await self.covers()
+            if not covers or replica not in covers:
+                return 0
+            floor = min(covers.values())
+            if floor <= 0:
+                return 0
+            return await self.purge_below(floor + 1)
+        finally:
+            try:
+                await self.kv.delete(LEASE, last=rev)
+            except Exception:
+                pass  # expires with the bucket's ttl
+
+
+class SnapshotLoadError(KVEventsError):
+    """No saved snapshot could be restored (each failure is named)."""

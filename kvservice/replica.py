@@ -1,0 +1,255 @@
+"""A router replica on the event plane: warm start from a snapshot, read the stream, save
+snapshots, publish what it covers, purge under a lease, report readiness.
+
+``Replica(url, "r1")`` builds a router (``router_factory()``, a :class:`consumers.KVRouter` by
+default), restores the newest snapshot any replica saved (a corrupt one is counted and the next
+is tried; none that restores = a cold start, counted), then reads the stream from the
+snapshot's seq + 1 through a :class:`~kvevents.transport.nats.source.JetStreamSource` (durable
+``replica-<name>``). ``step()`` applies one poll's deliveries and acknowledges them; every
+``snapshot_every`` seconds it saves ``router.snapshot(stream_seq=...)`` (the seq of the last
+applied message) to the object store, then publishes that seq as its cover; the purge lease
+holder trims the stream below every live replica's cover (see :mod:`kvservice.planestore`).
+
+Ready once the replica has caught up to within ``ready_lag`` messages of the stream's end.
+``python -m kvservice.replica --nats URL --name R [--status-file F]`` runs one as a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import Future
+
+from kvevents.errors import KVEventsError
+from kvevents.transport.nats._loop import LoopThread, connect
+from kvevents.transport.nats.source import JetStreamSource
+from kvevents.transport.nats.wire import StreamSpec
+
+from .planestore import PlaneStore
+
+__all__ = ["Replica", "state_digest"]
+
+
+def state_digest(router) -> str:
+    """A digest of the router's whole state (its own ``digest()`` if it has one)."""
+    own = getattr(router, "digest", None)
+    if callable(own):
+        return own()
+    return hashlib.sha256(router.snapshot(stream_seq=0)).hexdigest()
+
+
+def _default_router():
+    from consumers import KVRouter
+    return KVRouter()
+
+
+class Replica:
+    def __init__(self, url: str, name: str, *, router_factory=_default_router, stream: StreamSpec | None = None,
+                 snapshot_every: float = 5.0, heartbeat: float = 1.0, ttl: float = 5.0, ready_lag: int = 1000,
+                 purge: bool = True, source_kw: dict | None = None) -> None:
+        if heartbeat >= ttl:
+            raise KVEventsError(f"replica heartbeat ({heartbeat}s) must be shorter than the cover ttl ({ttl}s)")
+        self.name = name
+        self.stream = stream or StreamSpec()
+        self.snapshot_every = snapshot_every
+        self.heartbeat = heartbeat
+        self.ready_lag = ready_lag
+        self.purge_enabled = purge
+        self._factory = router_factory
+        self.router = router_factory()
+        self.counters = {"applied": 0, "snapshots_saved": 0, "snapshot_bytes": 0, "snapshot_save_s": 0.0,
+                         "snapshots_skipped": 0, "snapshot_errors": 0, "restore_failures": 0, "cold_starts": 0,
+                         "restored_seq": 0, "restore_s": 0.0, "purged": 0, "purge_errors": 0, "cover_errors": 0}
+        self.failures: list[str] = []
+        self._lt = LoopThread(f"kvevents-replica-{name}")
+        self._upload: Future | None = None
+        self.covered = 0
+        self._started = time.monotonic()
+        self.ready_after: float | None = None
+        try:
+            self._lt.call(self._open(url, ttl))
+            start_seq = self._warm_start()
+            self._lt.call(self.store.cover(self.name, start_seq - 1))  # before reading anything
+            self.covered = start_seq - 1
+            self.source = JetStreamSource(url, durable=f"replica-{name}", stream=self.stream, start_seq=start_seq,
+                                          **(source_kw or {}))
+        except BaseException:
+            self._lt.stop()
+            raise
+        self._next_snapshot = time.monotonic() + snapshot_every
+        self._next_beat = time.monotonic() + heartbeat
+
+    async def _open(self, url: str, ttl: float) -> None:
+        self.nc = await connect(url, f"kvevents-replica-{self.name}")
+        self.js = self.nc.jetstream()
+        await self.stream.ensure(self.js)
+        self.store = PlaneStore(self.js, stream=self.stream.name, ttl=ttl, storage=self.stream.storage)
+        await self.store.open()
+
+    def _warm_start(self) -> int:
+        """Restore the newest snapshot that restores; returns the stream seq to read from."""
+        t0 = time.perf_counter()
+        for seq, obj in self._lt.call(self.store.candidates()):
+            try:
+                data = self._lt.call(self.store.load(obj))
+                info = self.router.restore(data)
+            except Exception as exc:  # corrupt, truncated, future version, unreadable: the next one
+                self.counters["restore_failures"] += 1
+                self.failures.append(f"snapshot {obj!r} (seq {seq}): {exc}")
+                self.router = self._factory()  # whatever a failed restore left behind is dropped
+                continue
+            covered = int(getattr(info, "stream_seq", None) or 0)
+            self.counters["restored_seq"] = covered
+            self.counters["restore_s"] = time.perf_counter() - t0
+            return covered + 1
+        self.counters["cold_starts"] += 1
+        return 1
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def step(self, timeout_ms: int = 100) -> int:
+        """Apply one poll's deliveries; acknowledge them; do what is due. Returns how many applied."""
+        ds = self.source.poll(timeout_ms)
+        handle = self.router.handle
+        for d in ds:
+            handle(d)
+        self.source.ack()
+        self.counters["applied"] += len(ds)
+        now = time.monotonic()
+        if self.ready_after is None and self.source.stream_last and self.source.lag() <= self.ready_lag:
+            self.ready_after = now - self._started
+        if now >= self._next_snapshot:
+            self._next_snapshot = now + self.snapshot_every
+            self.save_snapshot()
+        if now >= self._next_beat:
+            self._next_beat = now + self.heartbeat
+            self._beat()
+        return len(ds)
+
+    def save_snapshot(self, wait: bool = False) -> bool:
+        """Snapshot the router now (in this, the ingest thread) and upload it in the background;
+        the cover moves on once the upload is stored. False if the previous upload is still going."""
+        if self._upload is not None and not self._upload.done():
+            self.counters["snapshots_skipped"] += 1
+            return False
+        seq = self.source.acked
+        if seq <= self.covered:
+            return False
+        t0 = time.perf_counter()
+        data = self.router.snapshot(stream_seq=seq)
+        self.counters["snapshot_save_s"] = time.perf_counter() - t0
+
+        async def upload():
+            try:
+                await self.store.save(self.name, data, seq)
+                await self.store.cover(self.name, seq)
+            except Exception as exc:
+                self.counters["snapshot_errors"] += 1
+                self.failures.append(f"snapshot upload at seq {seq}: {exc}")
+                return
+            self.covered = seq
+            self.counters["snapshots_saved"] += 1
+            self.counters["snapshot_bytes"] = len(data)
+        self._upload = self._lt.submit(upload())
+        if wait:
+            self._upload.result(60)
+        return True
+
+    def _beat(self) -> None:
+        covered = self.covered
+
+        async def beat():
+            try:
+                await self.store.cover(self.name, covered)
+            except Exception:
+                self.counters["cover_errors"] += 1
+                return
+            if self.purge_enabled:
+                try:
+                    self.counters["purged"] += await self.store.try_purge(self.name)
+                except Exception:
+                    self.counters["purge_errors"] += 1
+        self._lt.submit(beat())
+
+    def run(self, stop: threading.Event, status_file: str | None = None) -> None:
+        next_status = 0.0
+        while not stop.is_set():
+            self.step(50)
+            if status_file and time.monotonic() >= next_status:
+                self.write_status(status_file)
+                next_status = time.monotonic() + 0.2
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_after is not None and self.source.lag() <= self.ready_lag
+
+    def status(self) -> dict:
+        return {"name": self.name, "ready": self.ready, "ready_after_s": self.ready_after, "covered": self.covered,
+                "position": self.source.acked, "source": self.source.stats(), "replica": dict(self.counters),
+                "failures": self.failures[-5:], "entries": self.router.entries(), "digest": state_digest(self.router),
+                "pods": sorted(self.router.pods())}
+
+    def write_status(self, path: str) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.status(), f)
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        if self._upload is not None:
+            try:
+                self._upload.result(10)
+            except Exception:
+                pass
+        self.source.close()
+        try:
+            self._lt.call(self.nc.close(), 5)
+        except Exception:
+            pass
+        self._lt.stop()
+
+
+def _factory(spec: str):
+    mod, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(mod), attr or "KVRouter")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvservice.replica", description="one router replica on the event plane")
+    p.add_argument("--nats", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--router", default="consumers:KVRouter", help="MODULE:CALLABLE building the router")
+    p.add_argument("--snapshot-every", type=float, default=5.0)
+    p.add_argument("--heartbeat", type=float, default=1.0)
+    p.add_argument("--ttl", type=float, default=5.0)
+    p.add_argument("--status-file", default=None)
+    p.add_argument("--no-purge", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        rep = Replica(args.nats, args.name, router_factory=_factory(args.router), snapshot_every=args.snapshot_every,
+                      heartbeat=args.heartbeat, ttl=args.ttl, purge=not args.no_purge)
+    except (KVEventsError, OSError, TimeoutError) as exc:
+        print(f"replica {args.name}: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        rep.run(stop, args.status_file)
+    finally:
+        rep.save_snapshot(wait=True)
+        if args.status_file:
+            rep.write_status(args.status_file)
+        rep.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

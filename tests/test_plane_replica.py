@@ -1,0 +1,148 @@
+"""Router replicas on the event plane, against a real nats-server: warm restart from a
+snapshot after kill -9, the purge lease and covers, corrupt snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import nats
+
+from kvevents import EventPublisherFactory, KVEventsConfig
+from kvservice.replica import Replica
+from tests.plane_helpers import nats_server, stream_state, wait_for  # noqa: F401
+from tests.plane_ledger import LedgerRouter
+from tests.pubsub_helpers import batch
+
+ROOT = Path(__file__).resolve().parent.parent
+LEDGER = "tests.plane_ledger:LedgerRouter"
+
+
+def _publisher(url: str, pod: str):
+    return EventPublisherFactory.create(KVEventsConfig(enable_kv_cache_events=True, publisher="nats", endpoint=url,
+                                                       topic=f"kv@{pod}@m"))
+
+
+def _publish(url: str, pod: str, start: int, n: int) -> None:
+    pub = _publisher(url, pod)
+    for i in range(start, start + n):
+        pub.publish(batch(i, 2))
+    assert pub.shutdown(30).clean
+
+
+def _replica_proc(url: str, name: str, status: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "kvservice.replica", "--nats", url, "--name", name,
+                             "--router", LEDGER, "--snapshot-every", "0.2", "--heartbeat", "0.2", "--ttl", "3",
+                             "--status-file", str(status), *extra], env=env, cwd=ROOT)
+
+
+def _status(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _caught_up(path: Path, url: str, **want) -> dict | None:
+    st = _status(path)
+    last = stream_state(url)[1]
+    if st and st["position"] >= last and all(st["replica"].get(k, 0) >= v for k, v in want.items()):
+        return st
+    return None
+
+
+def test_replica_killed_and_restarted_converges_to_the_never_stopped_one(nats_server, tmp_path) -> None:
+    url = nats_server.url
+    a_file, b_file = tmp_path / "a.json", tmp_path / "b.json"
+    a = _replica_proc(url, "a", a_file)
+    b = _replica_proc(url, "b", b_file)
+    b2 = None
+    try:
+        _publish(url, "pod-1", 0, 300)
+        _publish(url, "pod-2", 0, 300)
+        wait_for(lambda: _caught_up(b_file, url, snapshots_saved=1) and _status(b_file)["covered"] >= 400,
+                 "replica b caught up with a snapshot saved")
+        os.kill(b.pid, signal.SIGKILL)
+        b.wait()
+        _publish(url, "pod-1", 300, 200)  # the stream moves on while b is dead ...
+        _publish(url, "pod-2", 0, 50)  # ... and pod-2's engine restarts: a RESET in the stream
+        b_file.unlink()
+        b2 = _replica_proc(url, "b", b_file)
+        wait_for(lambda: _caught_up(a_file, url) and _caught_up(b_file, url), "both replicas at the stream's end")
+        sa, sb = _status(a_file), _status(b_file)
+        assert sb["replica"]["cold_starts"] == 0 and sb["replica"]["restored_seq"] >= 400  # warm, from a snapshot
+        assert sb["ready"] and sa["ready"]
+        assert sb["digest"] == sa["digest"]  # the whole state, not a score
+        assert sb["entries"] == sa["entries"] == 200 + 50  # both engine restarts cleared their pod
+        assert sb["source"]["stream_gaps"] == sa["source"]["stream_gaps"] == 0
+    finally:
+        for p in (a, b, b2):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)
+
+
+def _step_until(replicas, cond, what):
+    return wait_for(cond, what, pump=lambda: [r.step(10) for r in replicas])
+
+
+def test_purge_never_removes_what_a_live_replica_has_not_covered(nats_server) -> None:
+    url = nats_server.url
+    _publish(url, "pod-1", 0, 200)
+    a = Replica(url, "a", router_factory=LedgerRouter, snapshot_every=0.05, heartbeat=0.05, ttl=3)
+    b = Replica(url, "b", router_factory=LedgerRouter, snapshot_every=3600, heartbeat=0.05, ttl=3)  # never snapshots
+    try:
+        _step_until([a, b], lambda: a.covered >= 200 and b.source.acked >= 200, "a covers the stream")
+        for _ in range(20):  # heartbeats with purge attempts: b covers nothing, so nothing may go
+            _step_until([a, b], lambda: True, "a round")
+        wait_for(lambda: a.counters["purged"] + b.counters["purged"] == 0 and stream_state(url)[0] == 200,
+                 "nothing purged while b covers nothing")
+        assert stream_state(url)[0] == 200
+        b.save_snapshot(wait=True)  # now b covers up to 200 too
+        # purged up to both covers, except the pod's last message (a restarting engine reads its run there)
+        _step_until([a, b], lambda: stream_state(url)[0] == 1, "the stream purged up to both covers")
+        assert a.counters["purged"] + b.counters["purged"] == 199
+        _publish(url, "pod-1", 200, 10)
+        _step_until([a, b], lambda: a.source.acked >= 210 and b.source.acked >= 210, "both read the rest")
+        c = Replica(url, "c", router_factory=LedgerRouter, snapshot_every=3600, heartbeat=0.05, ttl=3)
+        try:  # a newcomer after the purge: the newest snapshot, then the rest of the stream
+            _step_until([a, b, c], lambda: c.source.acked >= 210, "c caught up")
+            assert c.counters["cold_starts"] == 0 and c.counters["restored_seq"] == 200
+            assert c.router.digest() == a.router.digest() == b.router.digest()
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_corrupt_snapshot_is_refused_and_counted_then_the_next_one_restores(nats_server) -> None:
+    url = nats_server.url
+    _publish(url, "pod-1", 0, 50)
+    a = Replica(url, "a", router_factory=LedgerRouter, snapshot_every=0.05, heartbeat=0.05, ttl=3, purge=False)
+    try:
+        _step_until([a], lambda: a.covered >= 50, "a snapshot saved")
+    finally:
+        a.close()
+
+    async def plant():  # a damaged snapshot that claims to be the newest
+        from nats.js import api
+        nc = await nats.connect(url)
+        obs = await nc.jetstream().object_store("kvrouter-snapshots")
+        good = (await obs.get("a")).data
+        await obs.put("z", good[:-7], meta=api.ObjectMeta(name="z", description=json.dumps({"stream_seq": 10_000})))
+        await nc.close()
+    asyncio.run(plant())
+    c = Replica(url, "c", router_factory=LedgerRouter, purge=False)
+    try:
+        assert c.counters["restore_failures"] == 1 and "checksum" in c.failures[0] and "'z'" in c.failures[0]
+        assert c.counters["cold_starts"] == 0 and c.counters["restored_seq"] == 50
+        assert c.router.entries() == 50
+    finally:
+        c.close()
