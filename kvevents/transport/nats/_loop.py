@@ -50,7 +50,17 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
+        """Cancel what still runs on the loop (let it see the cancellation), then stop the loop."""
+        async def _cancel_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
         if self.loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_rest(), self.loop).result(5)
+            except Exception:
+                pass
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         if not self._thread.is_alive():
