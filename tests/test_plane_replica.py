@@ -109,11 +109,11 @@ def test_purge_never_removes_what_a_live_replica_has_not_covered(nats_server) ->
         _step_until([a, b], lambda: stream_state(url)[0] == 1, "the stream purged up to both covers")
         assert a.counters["purged"] + b.counters["purged"] == 199
         _publish(url, "pod-1", 200, 10)
-        _step_until([a, b], lambda: a.source.acked >= 210 and b.source.acked >= 210, "both read the rest")
+        _step_until([a, b], lambda: a.source.acked >= 211 and b.source.acked >= 211, "both read the rest (a RESET and 10)")
         c = Replica(url, "c", router_factory=LedgerRouter, snapshot_every=3600, heartbeat=0.05, ttl=3)
         try:  # a newcomer after the purge: the newest snapshot, then the rest of the stream
-            _step_until([a, b, c], lambda: c.source.acked >= 210, "c caught up")
-            assert c.counters["cold_starts"] == 0 and c.counters["restored_seq"] == 200
+            _step_until([a, b, c], lambda: c.source.acked >= 211, "c caught up")
+            assert c.counters["cold_starts"] == 0 and c.counters["restored_seq"] >= 200
             assert c.router.digest() == a.router.digest() == b.router.digest()
         finally:
             c.close()
