@@ -46,15 +46,21 @@ class PlaneStore:
         from nats.js.errors import BucketNotFoundError, NotFoundError
 
         st = api.StorageType.FILE if self.storage == "file" else api.StorageType.MEMORY
-        try:
-            self.obs = await self.js.object_store(self.snapshots_bucket)
-        except (BucketNotFoundError, NotFoundError):
-            self.obs = await self.js.create_object_store(self.snapshots_bucket, storage=st)
-        try:
-            self.kv = await self.js.key_value(self.replicas_bucket)
-        except (BucketNotFoundError, NotFoundError):
-            self.kv = await self.js.create_key_value(api.KeyValueConfig(bucket=self.replicas_bucket, ttl=self.ttl,
-                                                                        storage=st, history=1))
+
+        async def open_or_create(get, create):
+            try:
+                return await get()
+            except (BucketNotFoundError, NotFoundError):
+                pass
+            try:
+                return await create()
+            except Exception:  # another replica created it first
+                return await get()
+        self.obs = await open_or_create(lambda: self.js.object_store(self.snapshots_bucket),
+                                        lambda: self.js.create_object_store(self.snapshots_bucket, storage=st))
+        kv_cfg = api.KeyValueConfig(bucket=self.replicas_bucket, ttl=self.ttl, storage=st, history=1)
+        self.kv = await open_or_create(lambda: self.js.key_value(self.replicas_bucket),
+                                       lambda: self.js.create_key_value(kv_cfg))
 
     # ---- snapshots ------------------------------------------------------------------------------
 
