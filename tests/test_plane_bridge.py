@@ -13,7 +13,7 @@ from consumers import KVRouter
 from kvevents import DeliveryKind, EventPublisherFactory, KVEventsConfig, ZmqEventPublisher, encode_batch
 from kvevents.errors import DecodeError
 from kvevents.transport.nats.bridge import Bridge, EngineSpec
-from kvevents.transport.nats.wire import parse_headers, plane_headers, subject_for, token
+from kvevents.transport.nats.wire import pack, parse_headers, plane_headers, subject_for, token, unpack
 from tests.plane_helpers import nats_server, read_all, stream_state, wait_for  # noqa: F401
 from tests.pubsub_helpers import batch, ipc_pair
 
@@ -37,15 +37,18 @@ def test_subject_tokens_and_headers_are_checked() -> None:
             parse_headers(bad)
 
 
-def test_bridge_to_source_same_deliveries_and_same_index_as_direct(nats_server) -> None:
+@pytest.mark.parametrize("pack", [1, 8])
+def test_bridge_to_source_same_deliveries_and_same_index_as_direct(nats_server, pack) -> None:
     pub_ep, rep_ep = ipc_pair()
     with ZmqEventPublisher(endpoint=pub_ep, replay_endpoint=rep_ep, topic="kv@pod-a@m") as pub, \
-            Bridge(nats_server.url, [EngineSpec("pod-a", pub_ep, rep_ep, "m")]) as bridge:
+            Bridge(nats_server.url, [EngineSpec("pod-a", pub_ep, rep_ep, "m")], pack=pack) as bridge:
         batches = [batch(i, 3) for i in range(300)]
         for b in batches:
             pub.publish(b)
-        wait_for(lambda: stream_state(nats_server.url)[0] >= 300, "300 messages in the stream", pump=lambda: bridge.poll(20))
+        wait_for(lambda: bridge.stats["batches"] >= 300, "300 batches bridged", pump=lambda: bridge.poll(20))
         assert bridge.sender.flush(10)
+    messages = stream_state(nats_server.url)[0]
+    assert messages == 300 if pack == 1 else 300 // 8 <= messages < 300  # packed: fewer messages, same batches
     got, stats = read_all(nats_server.url)
     assert _kinds(got) == [("batch", i) for i in range(300)]
     assert [d.payload for d in got] == [encode_batch(b) for b in batches]
@@ -59,31 +62,61 @@ def test_bridge_to_source_same_deliveries_and_same_index_as_direct(nats_server) 
     assert via_plane.score(list(range(16))) == direct.score(list(range(16)))
 
 
-def _bridge_cmd(url, pub_ep, rep_ep, status):
+def _bridge_cmd(url, pub_ep, rep_ep, status, pack=1):
     return [sys.executable, "-m", "kvevents.transport.nats.cli", "bridge", "--nats", url,
-            "--engine", f"pod-a={pub_ep},{rep_ep},model=m", "--status-file", str(status)]
+            "--engine", f"pod-a={pub_ep},{rep_ep},model=m", "--status-file", str(status), "--pack", str(pack)]
 
 
-def test_bridge_kill9_mid_stream_stream_holds_every_batch_once_in_order(nats_server, tmp_path) -> None:
+def _stored_batches(url: str) -> int:
+    """Batches the stream holds (a packed message counts its batches): its last message's last seq + 1."""
+    import asyncio
+
+    import nats
+
+    async def go():
+        nc = await nats.connect(url)
+        try:
+            m = parse_headers((await nc.jetstream().get_last_msg("KVEVENTS", "kvevents.m.pod-a")).headers)
+            return m.seq + m.count
+        except Exception:
+            return 0
+        finally:
+            await nc.close()
+    return asyncio.run(go())
+
+
+def test_packed_bodies_are_checked() -> None:
+    body = pack([b"a", b"bcd", b""])
+    assert unpack(body, 3) == [b"a", b"bcd", b""]
+    with pytest.raises(DecodeError, match="holds 3 batches"):
+        unpack(body, 4)
+    with pytest.raises(DecodeError, match="truncated"):
+        unpack(body[:-2] + b"\x00\x00\x00\x09", 3)
+    with pytest.raises(DecodeError, match="Kv-Count"):
+        parse_headers({**plane_headers("batch", "p", "t", 0, 1, 0), "Kv-Count": "0"})
+
+
+@pytest.mark.parametrize("pack", [1, 4])
+def test_bridge_kill9_mid_stream_stream_holds_every_batch_once_in_order(nats_server, tmp_path, pack) -> None:
     pub_ep, rep_ep = ipc_pair()
     total = 1500
     status = tmp_path / "bridge.json"
     with ZmqEventPublisher(endpoint=pub_ep, replay_endpoint=rep_ep, topic="kv@pod-a@m") as pub:
-        first = subprocess.Popen(_bridge_cmd(nats_server.url, pub_ep, rep_ep, status))
+        first = subprocess.Popen(_bridge_cmd(nats_server.url, pub_ep, rep_ep, status, pack))
         try:
             wait_for(status.exists, "the bridge's status file")
             for i in range(600):
                 pub.publish(batch(i, 2))
             # killed while it is forwarding: some of the first 600 stored, the rest still to come
-            wait_for(lambda: stream_state(nats_server.url)[0] >= 200, "200 messages stored before the kill")
+            wait_for(lambda: _stored_batches(nats_server.url) >= 200, "200 batches stored before the kill")
             os.kill(first.pid, signal.SIGKILL)
             first.wait()
-            stored_at_kill = stream_state(nats_server.url)[0]
+            stored_at_kill = _stored_batches(nats_server.url)
             for i in range(600, total):  # the engine goes on while no bridge runs
                 pub.publish(batch(i, 2))
-            second = subprocess.Popen(_bridge_cmd(nats_server.url, pub_ep, rep_ep, status))
+            second = subprocess.Popen(_bridge_cmd(nats_server.url, pub_ep, rep_ep, status, pack))
             try:
-                wait_for(lambda: stream_state(nats_server.url)[0] >= total, f"{total} messages in the stream")
+                wait_for(lambda: _stored_batches(nats_server.url) >= total, f"{total} batches in the stream")
             finally:
                 second.send_signal(signal.SIGTERM)
                 assert second.wait(30) == 0
@@ -92,11 +125,11 @@ def test_bridge_kill9_mid_stream_stream_holds_every_batch_once_in_order(nats_ser
                 first.kill()
     assert stored_at_kill < total  # the kill really was mid-stream
     count, _ = stream_state(nats_server.url)
-    assert count == total  # nothing twice
+    assert count == total if pack == 1 else count < total  # nothing twice (packed: fewer, fuller messages)
     got, stats = read_all(nats_server.url)
     assert _kinds(got) == [("batch", i) for i in range(total)]  # every batch, once, in order
     assert [d.payload for d in got] == [encode_batch(batch(i, 2)) for i in range(total)]
-    assert stats["duplicates"] == 0
+    assert stats["duplicates"] == 0  # no batch stored twice, packed or not
 
 
 def test_engine_restart_through_the_plane_clears_the_pod(nats_server) -> None:

@@ -29,6 +29,8 @@ def register(subparsers) -> None:
     p.add_argument("--duplicate-window", type=float, default=120.0, help="seconds (default %(default)s)")
     p.add_argument("--storage", choices=("file", "memory"), default="file")
     p.add_argument("--window", type=int, default=512, help="unacknowledged publishes in flight (default %(default)s)")
+    p.add_argument("--pack", type=int, default=1,
+                   help="consecutive batches of a pod per stream message (default 1: the raw payload is the body)")
     p.add_argument("--duration", type=float, default=None, help="stop after S seconds (default: until signalled)")
     p.add_argument("--status-file", default=None, help="write the bridge's health as JSON here, about once a second")
     p.set_defaults(func=run_bridge)
@@ -54,7 +56,7 @@ def run_bridge(args) -> int:
         engines = [EngineSpec.parse(e) for e in args.engine]
         spec = StreamSpec(args.stream, args.prefix, max_bytes=args.max_bytes, duplicate_window=args.duplicate_window,
                           storage=args.storage)
-        bridge = Bridge(args.nats, engines, stream=spec, window=args.window)
+        bridge = Bridge(args.nats, engines, stream=spec, window=args.window, pack=args.pack)
     except (KVEventsError, OSError, TimeoutError) as exc:
         print(f"kvevents bridge: {exc}", file=sys.stderr)
         return 2

@@ -31,7 +31,7 @@ from dataclasses import replace
 from ...delivery import Delivery, DeliveryKind, HealthState, PublisherHealth
 from ...errors import DecodeError
 from ._loop import LoopThread, connect
-from .wire import StreamSpec, parse_headers
+from .wire import StreamSpec, parse_headers, unpack
 
 BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
 
@@ -238,18 +238,34 @@ class JetStreamSource:
             st.last_seq = end
             out.append(Delivery(GAP, m.pod, m.topic, m.seq, None, now, m.missed, reason=m.reason))
             return
-        if m.seq <= st.last_seq:
+        if m.count > 1:
+            try:
+                bodies = unpack(msg.data, m.count)
+            except DecodeError:
+                self._stats["malformed"] += 1
+                h.malformed["packed"] = h.malformed.get("packed", 0) + 1
+                return
+        else:
+            bodies = (msg.data,)
+        seq = m.seq
+        for body in bodies:
+            self._batch(st, m, seq, body, now, out)
+            seq += 1
+
+    def _batch(self, st: _PodState, m, seq: int, body: bytes, now: float, out: list) -> None:
+        h = st.health
+        if seq <= st.last_seq:
             self._stats["duplicates"] += 1
             return
-        if m.seq > st.last_seq + 1 and st.last_seq >= 0:
+        if seq > st.last_seq + 1 and st.last_seq >= 0:
             self._stats["stream_gaps"] += 1
             h.gaps += 1
-            h.unrecoverable += m.seq - st.last_seq - 1
-            out.append(Delivery(GAP, m.pod, m.topic, st.last_seq + 1, None, now, m.seq - st.last_seq - 1,
+            h.unrecoverable += seq - st.last_seq - 1
+            out.append(Delivery(GAP, m.pod, m.topic, st.last_seq + 1, None, now, seq - st.last_seq - 1,
                                 reason="lost"))
-        st.last_seq = m.seq
-        h.last_seq = m.seq
-        out.append(Delivery(BATCH, m.pod, m.topic, m.seq, None, now, 0, False, "", msg.data))
+        st.last_seq = seq
+        h.last_seq = seq
+        out.append(Delivery(BATCH, m.pod, m.topic, seq, None, now, 0, False, "", body))
 
     def __iter__(self):
         while not self._closed:

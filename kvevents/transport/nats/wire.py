@@ -12,6 +12,8 @@ the engine's raw vLLM payload, untouched; its headers say where it came from:
 ``Kv-Seq``      batch: the engine seq; reset: the first seq of the new run; gap: the first missing seq
 ``Kv-Run``      the engine run: a counter the plane raises at every RESET of that pod
 ``Kv-Missed``   gap only: how many batches were lost; ``Kv-Reason`` why
+``Kv-Count``    batch only, when the bridge packs: this message holds that many consecutive
+                batches (seq, seq+1, ...), each as a 4-byte big-endian length then the payload
 ``Nats-Msg-Id`` ``<pod>:<run>:<kind>:<seq>`` — JetStream's duplicate window drops a re-send
 ==============  =========================================================================
 
@@ -26,10 +28,12 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError, DecodeError
 
-__all__ = ["PlaneMsg", "StreamSpec", "msg_id", "parse_headers", "plane_headers", "subject_for", "token"]
+__all__ = ["PlaneMsg", "StreamSpec", "msg_id", "pack", "parse_headers", "plane_headers", "subject_for", "token",
+           "unpack"]
 
-KIND, POD, TOPIC, RANK, SEQ, RUN, MISSED, REASON = (
-    "Kv-Kind", "Kv-Pod", "Kv-Topic", "Kv-Dp-Rank", "Kv-Seq", "Kv-Run", "Kv-Missed", "Kv-Reason")
+KIND, POD, TOPIC, RANK, SEQ, RUN, MISSED, REASON, COUNT = (
+    "Kv-Kind", "Kv-Pod", "Kv-Topic", "Kv-Dp-Rank", "Kv-Seq", "Kv-Run", "Kv-Missed", "Kv-Reason", "Kv-Count")
+MAX_PACK = 4096
 MSG_ID = "Nats-Msg-Id"
 KINDS = ("batch", "reset", "gap")
 _BAD = re.compile(r"[^A-Za-z0-9_\-]")
@@ -71,6 +75,31 @@ class PlaneMsg:
     run: int
     missed: int = 0
     reason: str = ""
+    count: int = 1  #: batch: how many packed batches the body holds
+
+
+def pack(payloads: list[bytes]) -> bytes:
+    """Several consecutive batches' payloads as one message body (see ``Kv-Count``)."""
+    return b"".join(len(p).to_bytes(4, "big") + p for p in payloads)
+
+
+def unpack(body: bytes, count: int) -> list[bytes]:
+    """The payloads of a packed body; a DecodeError if it does not hold exactly ``count``."""
+    out = []
+    view = memoryview(body)
+    pos, end = 0, len(body)
+    while pos < end:
+        if pos + 4 > end:
+            raise DecodeError(f"packed event-plane body truncated at byte {pos} (a length prefix)")
+        n = int.from_bytes(view[pos:pos + 4], "big")
+        pos += 4
+        if pos + n > end:
+            raise DecodeError(f"packed event-plane body truncated: batch {len(out)} wants {n} bytes, {end - pos} left")
+        out.append(bytes(view[pos:pos + n]))
+        pos += n
+    if len(out) != count:
+        raise DecodeError(f"packed event-plane body holds {len(out)} batches, its {COUNT} header says {count}")
+    return out
 
 
 def _int(headers: dict, name: str, default: int | None = None) -> int:
@@ -98,8 +127,12 @@ def parse_headers(headers: dict | None) -> PlaneMsg:
     pod = headers.get(POD)
     if not pod:
         raise DecodeError(f"event-plane message lacks header {POD}")
+    count = _int(headers, COUNT, 1) if kind == "batch" else 1
+    if not 1 <= count <= MAX_PACK:
+        raise DecodeError(f"event-plane header {COUNT} must be 1..{MAX_PACK}, got {count}")
     return PlaneMsg(kind, pod, headers.get(TOPIC, ""), _int(headers, RANK, 0), _int(headers, SEQ), _int(headers, RUN),
-                    _int(headers, MISSED, 0) if kind == "gap" else 0, headers.get(REASON, "") if kind == "gap" else "")
+                    _int(headers, MISSED, 0) if kind == "gap" else 0, headers.get(REASON, "") if kind == "gap" else "",
+                    count)
 
 
 @dataclass(slots=True)
