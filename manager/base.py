@@ -264,6 +264,12 @@ class BlockIO(ABC):
     def write_block(self, block_id: int, data: bytes | bytearray | memoryview) -> None:
         """Fill block ``block_id`` with ``data`` (exactly ``block_nbytes`` bytes)."""
 
+    def writable_block(self, block_id: int) -> memoryview | None:
+        """A writable view of block ``block_id``'s own memory, for tiers that read straight
+        into it (no intermediate copy); None if this BlockIO cannot give one (tiers then call
+        :meth:`write_block`)."""
+        return None
+
 
 class NumpyBlockIO(BlockIO):
     """:class:`BlockIO` over a C-contiguous numpy array shaped ``[num_blocks, ...]``."""
@@ -291,6 +297,9 @@ class NumpyBlockIO(BlockIO):
 
     def read_block(self, block_id: int) -> memoryview:
         return memoryview(self._flat[self._check(block_id)]).toreadonly()
+
+    def writable_block(self, block_id: int) -> memoryview:
+        return memoryview(self._flat[self._check(block_id)])
 
     def write_block(self, block_id: int, data: bytes | bytearray | memoryview) -> None:
         src = np.frombuffer(data, dtype=np.uint8)

@@ -22,10 +22,12 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..base import BlockIO, LookupResult, OffloadingEvent, OffloadKey, ReqContext, RequestOffloadingContext
+from .backpressure import StorePolicy, create_store_policy
 
 __all__ = ["JobMetadata", "JobResult", "SecondaryTierManager"]
 
@@ -60,8 +62,14 @@ class SecondaryTierManager(ABC):
         block_io: BlockIO | None = None,
         medium: str | None = None,
         enable_events: bool = True,
+        store_policy: str | StorePolicy | None = None,
+        store_policy_args: dict[str, Any] | None = None,
     ) -> None:
         self.tier_type = tier_type
+        #: admission of store jobs (see :mod:`manager.tiering.backpressure`)
+        self.store_policy = create_store_policy(store_policy, **(store_policy_args or {}))
+        self.stores_skipped = 0  # store jobs refused by the policy (nothing written or claimed)
+        self.blocks_skipped = 0  # their blocks
         self.block_io = block_io
         if medium is not None:
             self.medium = medium
@@ -73,7 +81,9 @@ class SecondaryTierManager(ABC):
 
     @abstractmethod
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
-        """HIT when ``key`` is stored and can be loaded, MISS otherwise (RETRY: ask later)."""
+        """HIT when ``key`` is stored and can be loaded, MISS otherwise, RETRY when the answer
+        is not known yet (an asynchronous lookup in flight: ask again in a later step). Never
+        blocks on I/O."""
 
     @abstractmethod
     def submit_store(self, job: JobMetadata) -> None:
@@ -107,6 +117,21 @@ class SecondaryTierManager(ABC):
 
     def has_pending_work(self) -> bool:
         """Whether jobs are in flight or results are waiting to be collected."""
+        return False
+
+    def store_backlog(self) -> int:
+        """Blocks of store jobs submitted and not yet finished (0 for synchronous tiers)."""
+        return 0
+
+    def admit_store(self, num_blocks: int) -> bool:
+        """Whether a store job of ``num_blocks`` blocks should be submitted now (asked by the
+        tiering manager before it pins anything). A refusal is counted here: the caller skips
+        the job, so nothing is written and no event claims the blocks."""
+        policy = getattr(self, "store_policy", None)  # (None: a subclass that skipped our __init__)
+        if policy is None or policy.admit(self.store_backlog(), num_blocks):
+            return True
+        self.stores_skipped += 1
+        self.blocks_skipped += num_blocks
         return False
 
     def drain_jobs(self, timeout: float | None = None) -> bool:

@@ -1,6 +1,8 @@
 """``ExampleSecondaryTierManager`` (type ``"example"``): the minimal reference tier.
 
-Storage is a dict, everything is synchronous: each submit yields its JobResult at once. A
+Storage is a dict, everything is synchronous: each submit yields its JobResult at once. ``lookup_delay_steps=N``
+makes its lookups behave like an asynchronous tier's (RETRY until N steps after a key was
+first asked), to exercise the scheduler's retry path. A
 load of a missing key yields a *failed* JobResult (without a result the request would wait
 forever). ``custom_param`` shows how config entries reach a tier::
 
@@ -20,17 +22,40 @@ __all__ = ["ExampleSecondaryTierManager"]
 
 class ExampleSecondaryTierManager(SecondaryTierManager):
     def __init__(
-        self, tier_type: str = "example", *, custom_param: Any = None, request_level: bool = False, **kw: Any
+        self,
+        tier_type: str = "example",
+        *,
+        custom_param: Any = None,
+        request_level: bool = False,
+        lookup_delay_steps: int = 0,
+        **kw: Any,
     ) -> None:
         super().__init__(tier_type, **kw)
         self.custom_param = custom_param
         self.request_level = request_level
+        #: > 0: lookups behave like an asynchronous tier's: a key is answered RETRY (pending)
+        #: until this many steps (``on_schedule_end`` calls) after it was first asked
+        self.lookup_delay_steps = lookup_delay_steps
+        self._asked: dict[OffloadKey, int] = {}  # key -> step it was first asked (bounded)
+        self._step = 0
+        self.lookups_pending = 0
         self.store: dict[OffloadKey, bytes | None] = {}
         self._finished: list[JobResult] = []
         self.finished_requests: list[str] = []  # what on_request_finished saw, in order
 
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
+        if self.lookup_delay_steps > 0:
+            first = self._asked.setdefault(key, self._step)
+            if self._step - first < self.lookup_delay_steps:
+                self.lookups_pending += 1
+                if len(self._asked) > 65536:
+                    del self._asked[next(iter(self._asked))]
+                return LookupResult.RETRY
+            del self._asked[key]
         return LookupResult.HIT if key in self.store else LookupResult.MISS
+
+    def on_schedule_end(self) -> None:
+        self._step += 1
 
     def submit_store(self, job: JobMetadata) -> None:
         io = self.block_io

@@ -1,53 +1,64 @@
 """``FileSystemSecondaryTierManager`` (type ``"fs"``): blocks as files under a directory.
 
-Layout: ``<root>/<first 2 hex chars of key>/<key hex>.blk``. A file is a 20-byte header
-followed by the key and the payload::
+Layout and file format: :mod:`manager.tiering.fs_io` (a one-page header with length, key and
+CRC32C, then the payload) and :mod:`manager.tiering.fs_scan` (fan-out directories, owner
+locks, the start-up scan). The 256 fan-out directories are created once, at start-up.
 
-    magic b"KVB1" | payload length (u64 BE) | crc32 of payload (u32 BE) | key length (u32 BE)
-
-Writes go to a temporary file in the same directory and are renamed into place, so a reader
-sees either no file or a whole one (``fsync=True`` also survives power loss). A torn file
-(wrong length) or a corrupt one (bad magic, key or checksum) is a miss, never bad data: it is
-skipped at start-up, and a load that finds one fails its job, deletes the file and emits a
-removal. All I/O runs on a thread pool: submits never block.
-
-``capacity_blocks`` bounds the number of files; storing beyond it evicts the least recently
-used blocks not being read (removal events). On start-up the directory is scanned and its
-valid blocks are found again (oldest modification first in LRU order), announced with one
-stored event.
+* Loads read header + payload with one ``preadv`` straight into the primary's slot, with
+  ``O_DIRECT`` where the filesystem takes it (probed once; ``o_direct`` forces it on or off),
+  then check the CRC over the slot. A missing, torn, corrupt or mismatched file fails the
+  job (never a hit with wrong or missing bytes); a damaged file is deleted with a removal.
+* Stores write a temp file (one ``pwritev``) and rename it into place: a reader sees no file
+  or a whole one. Durability when a store job reports success: every block is a whole file
+  under its final name (survives a crash of the process); with ``fsync=True`` the data
+  (``fdatasync``) and the directory entries (``fsync`` of each fan-out directory touched, once
+  per task) are on stable storage (survives power loss).
+* Loads and stores have their own thread pools (``load_threads``, ``store_threads``): a load
+  never waits behind queued stores. A load job is split into up to one task per load thread
+  (its latency is the request's); a store job is one task (its events stay in key order),
+  several store jobs run at once.
+* Store backpressure: the tiering manager asks :meth:`admit_store` before submitting; the
+  default policy skips a job while ``max_store_backlog_blocks`` blocks are queued (counted
+  in ``stores_skipped`` / ``blocks_skipped``).
+* Lookups answer from memory. With ``shared_root=True`` (other tiers, e.g. other engines,
+  write the same root) a miss in memory starts an asynchronous header probe and answers
+  RETRY; the answer is there in a later step (a file found is indexed and announced).
+* ``capacity_blocks`` bounds the number of files (LRU eviction of blocks not being read,
+  removal events). A restart finds the blocks again (oldest first in LRU order), announced
+  with one stored event.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
-import re
-import secrets
-import struct
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import count
 from pathlib import Path
 from typing import Any
 
 from kvevents.errors import ConfigError
 
 from ..base import LookupResult, OffloadKey, OffloadPolicy, ReqContext, RequestOffloadingContext
+from . import fs_io
 from .base import JobMetadata, JobResult, SecondaryTierManager
+from .fs_scan import SUFFIX, OwnerLock, probe_block_file, scan_root
 
 __all__ = ["FileSystemSecondaryTierManager"]
 
-_MAGIC = b"KVB1"
-_HEADER = struct.Struct(">4sQII")
-_SUFFIX = ".blk"
-_FANOUT = re.compile(r"[0-9a-f]{2}")
-_BLOCK_NAME = re.compile(r"([0-9a-f]{2,})\.blk")
-#: ``<block name>.<owner token>.<thread>.tmp``: the token names the tier instance writing it
-#: (older versions wrote ``<block name>.<thread>.tmp``: no owner, always stale at start-up).
-_TMP_NAME = re.compile(r"[0-9a-f]{2,}\.blk\.(?:([0-9a-f]{16})\.)?\d+\.tmp")
-_OWNERS = ".owners"
+_HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+_MAX_ANSWERS = 65536  # bound on asynchronous lookup answers held for the next step
+
+
+class _JobState:
+    __slots__ = ("job", "tasks_left", "ok")
+
+    def __init__(self, job: JobMetadata, tasks: int) -> None:
+        self.job = job
+        self.tasks_left = tasks
+        self.ok = True
 
 
 class FileSystemSecondaryTierManager(SecondaryTierManager):
@@ -57,16 +68,26 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         *,
         root: str | os.PathLike[str],
         capacity_blocks: int | None = None,
-        num_threads: int = 2,
+        load_threads: int = 4,
+        store_threads: int = 2,
+        num_threads: int | None = None,
         fsync: bool = False,
+        o_direct: bool | None = None,
+        max_store_backlog_blocks: int = 512,
+        shared_root: bool = False,
         offload_policy: str = "block_level",
         **kw: Any,
     ) -> None:
+        if kw.get("store_policy") is None:
+            kw["store_policy_args"] = {"max_backlog_blocks": max_store_backlog_blocks, **(kw.get("store_policy_args") or {})}
         super().__init__(tier_type, **kw)
         if capacity_blocks is not None and capacity_blocks <= 0:
             raise ConfigError(f"fs tier: capacity_blocks must be > 0 or None, got {capacity_blocks!r}")
-        if num_threads <= 0:
-            raise ConfigError(f"fs tier: num_threads must be > 0, got {num_threads!r}")
+        if num_threads is not None:  # one number for both pools (the older knob)
+            load_threads = store_threads = num_threads
+        for name, n in (("load_threads", load_threads), ("store_threads", store_threads)):
+            if not isinstance(n, int) or n <= 0:
+                raise ConfigError(f"fs tier: {name} must be an int > 0, got {n!r}")
         try:
             self.policy = OffloadPolicy(offload_policy)
         except ValueError:
@@ -76,16 +97,28 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self.root = Path(root)
         if not self.root.is_dir():  # (an existing read-only root is fine: loads still work)
             self.root.mkdir(parents=True, exist_ok=True)
+        self._root = str(self.root)
         self.capacity_blocks = capacity_blocks
         self.fsync = fsync
+        self.shared_root = shared_root
+        self.load_threads, self.store_threads = load_threads, store_threads
+        self.o_direct = fs_io.probe_o_direct(self._root) if o_direct is None else bool(o_direct)
+        self.crc_kind = fs_io.default_crc_kind()
+        self._bufs = fs_io.IOBuffers()
         self._lock = threading.Condition()
         self._index: OrderedDict[OffloadKey, None] = OrderedDict()  # committed keys, LRU first
         self._writing: set[OffloadKey] = set()
         self._reading: dict[OffloadKey, int] = {}  # key -> loads in flight (not evictable)
         self._finished: list[JobResult] = []
         self._in_flight = 0
-        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix=f"kv-{tier_type}")
+        self._backlog = 0  # blocks of store jobs submitted and not finished
+        self._probing: set[OffloadKey] = set()
+        self._answers: OrderedDict[OffloadKey, bool] = OrderedDict()
+        self._tmp_ids = count()
         self._closed = False
+        self._loads = ThreadPoolExecutor(load_threads, thread_name_prefix=f"kv-{tier_type}-load")
+        self._stores = ThreadPoolExecutor(store_threads, thread_name_prefix=f"kv-{tier_type}-store")
+        self._probes = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{tier_type}-lookup") if shared_root else None
         # Counters.
         self.stores = 0
         self.loads = 0
@@ -97,225 +130,153 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self.foreign_files = 0  # entries under root the start-up scan left alone (not ours)
         self.scan_errors = 0  # entries the start-up scan could not read or delete
         self.payload_mismatches = 0  # files whose payload is not one block of block_io
-        self._token = secrets.token_hex(8)
-        self._owner_fd = self._take_ownership()
+        self.lookups_pending = 0  # lookups answered RETRY while a disk probe ran
+        self.lookups_found_on_disk = 0  # probes that found a block written by another tier
+        self._owner = OwnerLock(self._root)
+        self._token = self._owner.token
+        self._dirs: set[str] = set()  # fan-out directories known to exist
         self._recover()
 
     # -- files -------------------------------------------------------------------
 
-    def _take_ownership(self) -> int | None:
-        """Hold an exclusive ``flock`` on ``<root>/.owners/<token>.lock`` for the tier's
-        lifetime: a temp file whose owner still holds its lock is being written (by another
-        tier on the same root, in this process or another) and is left alone by the scan."""
-        owners = self.root / _OWNERS
-        try:
-            owners.mkdir(exist_ok=True)
-            fd = os.open(owners / f"{self._token}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
-        except OSError:
-            return None  # a read-only root: nothing will be written, so no temp files of ours
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh random name: never contended
-        return fd
-
-    def _owner_alive(self, token: str) -> bool:
-        """Whether the tier that wrote temp files named ``token`` is still running."""
-        if token == self._token:
-            return True
-        lock = self.root / _OWNERS / f"{token}.lock"
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        except OSError:
-            return True  # cannot tell: keep its files
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return True  # held: the owner runs
-        finally:
-            os.close(fd)  # (closing drops the lock we may have taken)
-        try:
-            lock.unlink()  # a dead owner's lock file
-        except OSError:
-            pass
-        return False
+    def _fanout_dir(self, key: OffloadKey) -> None:
+        """Create the key's fan-out directory once per tier lifetime (not per block)."""
+        sub = key[:1].hex()
+        if sub not in self._dirs:
+            os.makedirs(os.path.join(self._root, sub), exist_ok=True)
+            self._dirs.add(sub)
 
     def _path(self, key: OffloadKey) -> Path:
+        return Path(self._file(key))
+
+    def _file(self, key: OffloadKey) -> str:
         h = key.hex()
-        return self.root / h[:2] / (h + _SUFFIX)
-
-    def _read_file(self, path: Path, key: OffloadKey | None) -> tuple[OffloadKey, bytes] | None:
-        """(key, payload) of a valid file, or None (missing, torn or corrupt)."""
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError:
-            return None
-        if len(data) < _HEADER.size:
-            return None
-        magic, length, crc, klen = _HEADER.unpack_from(data)
-        if magic != _MAGIC or len(data) != _HEADER.size + klen + length:
-            return None
-        stored_key = data[_HEADER.size : _HEADER.size + klen]
-        if key is not None and stored_key != key:
-            return None
-        payload = data[_HEADER.size + klen :]
-        if zlib.crc32(payload) != crc:
-            return None
-        return stored_key, payload
-
-    def _header_ok(self, path: str) -> tuple[str, OffloadKey | None, float]:
-        """Start-up check of a block file (the payload checksum is verified on load):
-        ``("ours", key, mtime)``, ``("torn", …)`` (our magic, wrong length or key),
-        ``("foreign", …)`` (not our magic) or ``("error", …)`` (unreadable)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return "error", None, 0.0
-        try:
-            st = os.fstat(fd)
-            head = os.pread(fd, _HEADER.size + 256, 0)
-        except OSError:
-            return "error", None, 0.0
-        finally:
-            os.close(fd)
-        if len(head) < 4 or head[:4] != _MAGIC:
-            return "foreign", None, 0.0
-        if len(head) < _HEADER.size:
-            return "torn", None, 0.0
-        _magic, length, _crc, klen = _HEADER.unpack_from(head)
-        key = head[_HEADER.size : _HEADER.size + klen]
-        if st.st_size != _HEADER.size + klen + length or len(key) != klen or os.path.basename(path) != key.hex() + _SUFFIX:
-            return "torn", None, 0.0
-        return "ours", key, st.st_mtime
-
-    def _write_file(self, key: OffloadKey, payload: bytes | memoryview) -> None:
-        path = self._path(key)
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{self._token}.{threading.get_ident()}.tmp")
-        header = _HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload), len(key))
-        try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(key)
-                f.write(payload)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-            raise
+        return f"{self._root}/{h[:2]}/{h}{SUFFIX}"
 
     def _delete_file(self, key: OffloadKey) -> None:
         try:
-            self._path(key).unlink()
+            os.unlink(self._file(key))
         except OSError:
             pass
 
     def _recover(self) -> None:
-        """Find this root's blocks again. Only regular files in two-hex-digit fan-out
-        directories, named like ours, are considered; symlinks are never followed, other
-        entries are left alone (``foreign_files``), unreadable ones counted (``scan_errors``).
-        A temp file is deleted only when the tier that wrote it is gone; a block file with our
-        magic but a wrong length is torn and deleted; one without our magic is not ours."""
-        found: list[tuple[float, OffloadKey]] = []
-        try:
-            subs = [e for e in os.scandir(self.root) if e.name != _OWNERS]
-        except OSError:
-            self.scan_errors += 1
-            subs = []
-        for sub in subs:
-            try:
-                if not (_FANOUT.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
-                    self.foreign_files += 1
-                    continue
-                entries = list(os.scandir(sub.path))
-            except OSError:
-                self.scan_errors += 1
-                continue
-            for entry in entries:
-                try:
-                    regular = entry.is_file(follow_symlinks=False)
-                except OSError:
-                    regular = False
-                tmp = _TMP_NAME.fullmatch(entry.name)
-                if tmp is not None and regular:
-                    if tmp.group(1) is None or not self._owner_alive(tmp.group(1)):
-                        self._unlink_counted(entry.path)  # an interrupted write of a dead tier
-                    continue
-                m = _BLOCK_NAME.fullmatch(entry.name)
-                if m is None or not regular or not m.group(1).startswith(sub.name):
-                    self.foreign_files += 1
-                    continue
-                state, key, mtime = self._header_ok(entry.path)
-                if state == "ours":
-                    found.append((mtime, key))  # type: ignore[arg-type]
-                elif state == "torn":
-                    self.corrupt_files += 1
-                    self._unlink_counted(entry.path)
-                elif state == "foreign":
-                    self.foreign_files += 1
-                else:
-                    self.scan_errors += 1
-        found.sort()
-        for _, key in found:
+        res = scan_root(self._root, self._owner)
+        self.corrupt_files += res.torn
+        self.foreign_files += res.foreign
+        self.scan_errors += res.errors
+        self._dirs.update(res.dirs)
+        for _, key in res.found:
             self._index[key] = None
         # Announce what was found, then drop what no longer fits (emits removals).
         self._emit(list(self._index), removed=False)
         self._evict_over_capacity()
 
-    def _unlink_counted(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            self.scan_errors += 1
-
     # -- role --------------------------------------------------------------------
 
-    def lookup(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
-        return LookupResult.HIT if key in self._index else LookupResult.MISS
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
+        if key in self._index:
+            return _HIT
+        if self._probes is None:
+            return _MISS
+        with self._lock:
+            if key in self._index:
+                return _HIT
+            answer = self._answers.pop(key, None)
+            if answer is not None:
+                return _MISS  # (a found file is in the index already)
+            if key not in self._probing:
+                if self._closed:
+                    return _MISS
+                self._probing.add(key)
+                self._probes.submit(self._probe, key)
+            self.lookups_pending += 1
+        return _RETRY
+
+    def _probe(self, key: OffloadKey) -> None:
+        io = self.block_io
+        found = probe_block_file(self._file(key), key, io.block_nbytes if io is not None else None)
+        with self._lock:
+            self._probing.discard(key)
+            if found and key not in self._index:
+                self._index[key] = None
+                self.lookups_found_on_disk += 1
+                self._emit([key], removed=False)
+                self._evict_over_capacity()
+            elif not found:
+                self._answers[key] = False
+                if len(self._answers) > _MAX_ANSWERS:
+                    self._answers.popitem(last=False)  # (that key is probed again if asked)
+            self._lock.notify_all()
 
     def cached_keys(self) -> set[OffloadKey]:
         with self._lock:
             return set(self._index)
 
-    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext(self.policy)
 
-    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
+    def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:
         with self._lock:
             index = self._index
             for key in keys:
                 if key in index:
                     index.move_to_end(key)
 
+    def store_backlog(self) -> int:
+        return self._backlog
+
     def submit_store(self, job: JobMetadata) -> None:
-        self._submit(self._run_store, job)
+        with self._lock:
+            self._backlog += len(job.keys)
+        self._submit(self._stores, 1, self._store_task, job)  # one task: events in key order
 
     def submit_load(self, job: JobMetadata) -> None:
         with self._lock:
             for key in job.keys:
                 self._reading[key] = self._reading.get(key, 0) + 1
-        self._submit(self._run_load, job)
+        self._submit(self._loads, self.load_threads, self._load_task, job)
 
-    def _submit(self, fn: Any, job: JobMetadata) -> None:
+    def _submit(self, pool: ThreadPoolExecutor, threads: int, fn: Any, job: JobMetadata) -> None:
+        n = len(job.keys)
+        ntasks = max(1, min(threads, n))
+        step = -(-n // ntasks) if n else 1
+        spans = [(i, min(i + step, n)) for i in range(0, max(n, 1), step)]
+        state = _JobState(job, len(spans))
         with self._lock:
             if self._closed:
-                self._finished.append(JobResult(job.job_id, False))
+                self._finish(state, fail=True, blocks=n)
                 return
             self._in_flight += 1
-        self._pool.submit(fn, job)
+        for lo, hi in spans:
+            pool.submit(fn, state, lo, hi)
 
-    def _done(self, job: JobMetadata, success: bool) -> None:
+    def _task_done(self, state: _JobState, ok: bool, store_blocks: int = 0) -> None:
         with self._lock:
-            self._finished.append(JobResult(job.job_id, success))
-            self._in_flight -= 1
-            self._lock.notify_all()
+            self._backlog -= store_blocks
+            if not ok:
+                state.ok = False
+            state.tasks_left -= 1
+            if state.tasks_left == 0:
+                self._in_flight -= 1
+                self._finish(state)
+                self._lock.notify_all()
+
+    def _finish(self, state: _JobState, fail: bool = False, blocks: int = 0) -> None:
+        """(Lock held.) The job's one result."""
+        job = state.job
+        ok = state.ok and not fail
+        if fail:
+            self._backlog -= blocks if not job.is_promotion else 0
+        if job.is_promotion:
+            for key in job.keys:
+                n = self._reading.get(key, 0) - 1
+                if n > 0:
+                    self._reading[key] = n
+                else:
+                    self._reading.pop(key, None)
+            if not ok:
+                self.load_errors += 1
+        self._finished.append(JobResult(job.job_id, ok))
 
     def _evict_over_capacity(self) -> list[OffloadKey]:
         """(Lock held.) Drop LRU keys not being read until within capacity; emits removals."""
@@ -338,71 +299,106 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self._emit(victims, removed=True)
         return victims
 
-    def _run_store(self, job: JobMetadata) -> None:
-        ok = True
+    # -- the I/O tasks (pool threads) ------------------------------------------------
+
+    def _store_task(self, state: _JobState, lo: int, hi: int) -> None:
+        job, ok = state.job, True
+        io, bufs = self.block_io, self._bufs
+        written: list[OffloadKey] = []
+        dirs: set[str] = set()
+        durable = True
         try:
-            io = self.block_io
-            for key, block_id in zip(job.keys, job.block_ids.tolist()):
+            block_ids = job.block_ids[lo:hi].tolist()
+            for key, block_id in zip(job.keys[lo:hi], block_ids):
                 with self._lock:
                     if key in self._index or key in self._writing:
                         continue
                     self._writing.add(key)
                 try:
                     payload = io.read_block(block_id) if io is not None else b""
-                    self._write_file(key, payload)
+                    path = self._file(key)
+                    self._fanout_dir(key)
+                    tmp = f"{path}.{self._token}.{next(self._tmp_ids)}.tmp"
+                    fs_io.write_block_file(tmp, path, key, payload, bufs, self.o_direct, self.crc_kind, self.fsync)
+                    written.append(key)
+                    if self.fsync:
+                        dirs.add(os.path.dirname(path))
                 except Exception:
                     ok = False
                     with self._lock:
                         self._writing.discard(key)
                         self.store_errors += 1
-                    continue
-                with self._lock:
-                    self._writing.discard(key)
-                    self._index[key] = None
-                    self.stores += 1
-                    self._emit([key], removed=False)
-                    self._evict_over_capacity()
+            durable = False
+            for d in dirs:  # the renames themselves, durable before success is reported
+                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            durable = True
         except Exception:
             ok = False
-            self.store_errors += 1
-        self._done(job, ok)
-
-    def _run_load(self, job: JobMetadata) -> None:
-        ok = True
-        try:
-            io = self.block_io
-            for key, block_id in zip(job.keys, job.block_ids.tolist()):
-                got = self._read_file(self._path(key), key)
-                if got is not None and io is not None and len(got[1]) != io.block_nbytes:
-                    # e.g. written by a tier without block_io (empty payload): loading it would
-                    # leave the slot as it was and report a hit with the wrong bytes
-                    self.payload_mismatches += 1
-                    got = None
-                if got is None:
-                    ok = False
-                    with self._lock:
-                        if key in self._index:  # present in the index but unreadable: corrupt
-                            del self._index[key]
-                            self.corrupt_files += 1
-                            self._emit([key], removed=True)
-                            self._delete_file(key)
-                    break
-                if io is not None:
-                    io.write_block(block_id, got[1])
-                self.loads += 1
-        except Exception:
-            ok = False
+            with self._lock:
+                self.store_errors += 1
         finally:
             with self._lock:
-                for key in job.keys:
-                    n = self._reading.get(key, 0) - 1
-                    if n > 0:
-                        self._reading[key] = n
-                    else:
-                        self._reading.pop(key, None)
-        if not ok:
-            self.load_errors += 1
-        self._done(job, ok)
+                self._writing.difference_update(written)
+                if durable:
+                    for key in written:
+                        self._index[key] = None
+                    self.stores += len(written)
+                    self._emit(written, removed=False)
+                    self._evict_over_capacity()
+                else:
+                    for key in written:  # not known durable: not claimed
+                        self._delete_file(key)
+            self._task_done(state, ok, hi - lo)
+
+    def _load_task(self, state: _JobState, lo: int, hi: int) -> None:
+        job, ok = state.job, True
+        io, bufs = self.block_io, self._bufs
+        try:
+            nbytes = io.block_nbytes if io is not None else None
+            for key, block_id in zip(job.keys[lo:hi], job.block_ids[lo:hi].tolist()):
+                if not state.ok:  # another task of the job failed: the job fails anyway
+                    ok = False
+                    break
+                if not self._load_one(key, int(block_id), nbytes, bufs):
+                    ok = False
+                    break
+        except Exception:
+            ok = False
+        self._task_done(state, ok)
+
+    def _load_one(self, key: OffloadKey, block_id: int, nbytes: int | None, bufs: fs_io.IOBuffers) -> bool:
+        io = self.block_io
+        path = self._file(key)
+        try:
+            if io is None or nbytes is None:  # a metadata-only tier: the file must exist
+                if not os.path.exists(path):
+                    raise fs_io.BlockFileError("missing", path)
+            else:
+                slot = io.writable_block(block_id)
+                data = fs_io.read_block_into(path, key, slot, nbytes, bufs, self.o_direct)
+                if data is not None:
+                    io.write_block(block_id, data)
+        except fs_io.BlockFileError as exc:
+            with self._lock:
+                if exc.reason == "length":
+                    self.payload_mismatches += 1
+                if key in self._index and exc.reason != "unverifiable":  # indexed but unreadable
+                    del self._index[key]
+                    self.corrupt_files += 1
+                    self._emit([key], removed=True)
+                    self._delete_file(key)
+            return False
+        except OSError:
+            return False
+        with self._lock:
+            self.loads += 1
+        return True
+
+    # -- results and shutdown --------------------------------------------------------
 
     def get_finished_jobs(self) -> list[JobResult]:
         with self._lock:
@@ -411,22 +407,33 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
 
     def has_pending_work(self) -> bool:
         with self._lock:
-            return self._in_flight > 0 or bool(self._finished)
+            return self._in_flight > 0 or bool(self._finished) or bool(self._probing)
 
     def drain_jobs(self, timeout: float | None = None) -> bool:
+        """Wait until no job and no asynchronous lookup is in flight."""
         with self._lock:
-            return self._lock.wait_for(lambda: self._in_flight == 0, timeout)
+            return self._lock.wait_for(lambda: self._in_flight == 0 and not self._probing, timeout)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "blocks": len(self._index), "store_backlog_blocks": self._backlog, "jobs_in_flight": self._in_flight,
+                "stores": self.stores, "loads": self.loads, "store_errors": self.store_errors,
+                "load_errors": self.load_errors, "corrupt_files": self.corrupt_files, "evictions": self.evictions,
+                "stores_skipped": self.stores_skipped, "blocks_skipped": self.blocks_skipped,
+                "lookups_pending": self.lookups_pending, "lookups_found_on_disk": self.lookups_found_on_disk,
+                "payload_mismatches": self.payload_mismatches, "foreign_files": self.foreign_files,
+                "scan_errors": self.scan_errors, "o_direct": self.o_direct,
+                "checksum": "crc32c" if self.crc_kind == fs_io.CRC_CRC32C else "crc32",
+            }
 
     def shutdown(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._pool.shutdown(wait=True)
-        if self._owner_fd is not None:
-            try:
-                os.unlink(self.root / _OWNERS / f"{self._token}.lock")
-            except OSError:
-                pass
-            os.close(self._owner_fd)
-            self._owner_fd = None
+        if self._probes is not None:
+            self._probes.shutdown(wait=True)
+        self._loads.shutdown(wait=True)
+        self._stores.shutdown(wait=True)
+        self._owner.release()

@@ -1,12 +1,17 @@
 """``TieringOffloadingManager``: a primary manager with secondary tiers behind it.
 
 * A lookup that misses the primary asks the secondary tiers in order. A hit reserves the
-  primary slot at once (``primary.prepare_store``) and answers RETRY; the promotion is queued
+  primary slot at once (``primary.prepare_store``) and answers RETRY; a tier whose answer is
+  pending (an asynchronous lookup: it answered RETRY) makes a lookup without a hit RETRY too,
+  so the connector asks again in a later step, and the scheduler never waits on a tier's
+  I/O. The promotion is queued
   per (tier, request) and submitted as one load job per queue in ``on_schedule_end``. When the
   job's result is processed the primary store completes (or fails and frees the slot).
 * A completed primary store cascades its blocks to every secondary tier that lacks them: the
   blocks are pinned in the primary (``prepare_load``) and a store job is submitted; the pin is
-  released when the job's result is processed. Promoted blocks cascade to the other tiers.
+  released when the job's result is processed. Before that the tier's ``admit_store`` is
+  asked (store backpressure): a tier that has fallen behind skips the job — nothing pinned,
+  written or announced, counted in the tier's ``stores_skipped`` / ``blocks_skipped``. Promoted blocks cascade to the other tiers.
 * ``on_new_request`` asks the primary and every tier; the request is REQUEST_LEVEL if any asks
   for it, and the tiers that asked are remembered for the request. For those tiers,
   ``prepare_store`` also cascades the request's blocks already resident in the primary (prefix
@@ -106,6 +111,7 @@ class TieringOffloadingManager(OffloadingManager):
         self.cascade_jobs = 0
         self.cascade_failures = 0
         self.unknown_results = 0
+        self.lookups_pending = 0  # primary misses answered RETRY because a tier's lookup was pending
 
     # -- lookups and loads --------------------------------------------------------
 
@@ -116,8 +122,13 @@ class TieringOffloadingManager(OffloadingManager):
             return r
         if key in self._promoting:
             return _RETRY
+        pending = False
         for i, tier in enumerate(self.tiers):
-            if tier.lookup(key, req_context) is _HIT:
+            found = tier.lookup(key, req_context)
+            if found is _RETRY:  # the tier's answer is not known yet (an asynchronous lookup)
+                pending = True
+                continue
+            if found is _HIT:
                 out = self.primary.prepare_store([key], req_context)
                 if out is None or not out.keys_to_store:
                     self.promotions_rejected += 1
@@ -133,6 +144,9 @@ class TieringOffloadingManager(OffloadingManager):
                 self._promoting[key] = i
                 self.promotions_started += 1
                 return _RETRY
+        if pending:
+            self.lookups_pending += 1
+            return _RETRY
         return _MISS
 
     def prepare_load(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -190,7 +204,7 @@ class TieringOffloadingManager(OffloadingManager):
             tier = self.tiers[i]
             storing = self._tier_storing[i]
             todo = [k for k in keys if k not in storing and tier.lookup(k, req_context) is not _HIT]
-            if not todo:
+            if not todo or not tier.admit_store(len(todo)):  # backpressure: skipped and counted
                 continue
             spec = self.primary.prepare_load(todo, req_context)  # pinned until the job's result
             storing.update(todo)
@@ -367,4 +381,7 @@ class TieringOffloadingManager(OffloadingManager):
             "cascade_jobs": self.cascade_jobs,
             "cascade_failures": self.cascade_failures,
             "unknown_results": self.unknown_results,
+            "lookups_pending": self.lookups_pending,
+            "stores_skipped": sum(getattr(t, "stores_skipped", 0) for t in self.tiers),
+            "blocks_skipped": sum(getattr(t, "blocks_skipped", 0) for t in self.tiers),
         }

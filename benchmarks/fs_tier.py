@@ -1,0 +1,295 @@
+"""The fs tier at the disk's limit: ours vs vLLM's FileSystemTierManager vs a plain loop.
+
+For each block shape (default 2,048 x 256 KiB and 8,192 x 64 KiB), in jobs of 64 blocks, each
+system in the same run, rounds interleaved (ours, vLLM, plain, ours, ...), best of N rounds:
+
+* store GB/s: every store job submitted at once, until the last one finished;
+* store + sync GB/s: the same bytes over store time + ``os.sync()`` (what the page cache
+  still held);
+* cold load GB/s: page cache dropped (as root: ``sync; echo 3 > /proc/sys/vm/drop_caches``;
+  the table says when that failed), the host buffer zeroed, every load job submitted at once.
+
+Every round's loaded bytes are compared with what was stored (a mismatch aborts). The host
+buffer is page-aligned, as a pinned host buffer is. vLLM 0.33 is the peer where ``import vllm``
+works (``bash ../shared/peers/setup-vllm.sh DIR``; run this script in that venv with the
+project installed editable or on PYTHONPATH); the plain loop is ``os.write`` / ``os.readv``
+of each block into its own file (buffered, no header, no checksum, no rename) on 32 threads.
+
+``--backpressure``: the engine's step time with a tier throttled to a fraction of the store
+rate, with the default store policy and with ``"unbounded"`` (see ``benchmarks/fs_backpressure.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import numpy as np
+
+from benchmarks._table import format_table
+from manager import NumpyBlockIO, make_offload_key
+from manager.tiering import JobMetadata
+from manager.tiering.fs import FileSystemSecondaryTierManager
+
+JOB = 64
+
+
+def drop_caches() -> str | None:
+    """None when the page cache was dropped, else why not."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return None
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc.strerror or exc}"
+
+
+def aligned_buffer(nblocks: int, nbytes: int) -> np.ndarray:
+    m = mmap.mmap(-1, nblocks * nbytes)
+    return np.frombuffer(m, dtype=np.uint8).reshape(nblocks, nbytes)
+
+
+class System:
+    name = ""
+
+    def setup(self, root: str, host: np.ndarray) -> None: ...
+
+    def store(self, keys: list[bytes], n: int) -> None: ...
+
+    def load(self, keys: list[bytes], n: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Ours(System):
+    def __init__(self, **cfg: Any) -> None:
+        self.cfg = cfg
+        self.name = "ours" + ("" if not cfg else " " + ",".join(f"{k}={v}" for k, v in cfg.items()))
+
+    def setup(self, root: str, host: np.ndarray) -> None:
+        self.tier = FileSystemSecondaryTierManager(root=root, block_io=NumpyBlockIO(host), enable_events=False,
+                                                   store_policy="unbounded", **self.cfg)
+
+    def _run(self, keys: list[bytes], n: int, load: bool) -> None:
+        t = self.tier
+        for j, i in enumerate(range(0, n, JOB)):
+            job = JobMetadata(j, keys[i : i + JOB], np.arange(i, min(i + JOB, n), dtype=np.int64), load)
+            (t.submit_load if load else t.submit_store)(job)
+        assert t.drain_jobs(timeout=600)
+        bad = [r for r in t.get_finished_jobs() if not r.success]
+        if bad:
+            raise RuntimeError(f"ours: {len(bad)} jobs failed ({t.stats()})")
+
+    def store(self, keys: list[bytes], n: int) -> None:
+        self._run(keys, n, False)
+
+    def load(self, keys: list[bytes], n: int) -> None:
+        self._run(keys, n, True)
+
+    def close(self) -> None:
+        self.tier.shutdown()
+
+
+class Plain(System):
+    name = "plain os.write/os.readv, 32 threads"
+
+    def setup(self, root: str, host: np.ndarray) -> None:
+        self.root, self.host = root, host
+        self.pool = ThreadPoolExecutor(32)
+        for i in range(256):
+            os.makedirs(os.path.join(root, f"{i:02x}"), exist_ok=True)
+
+    def _path(self, key: bytes) -> str:
+        h = key.hex()
+        return f"{self.root}/{h[-2:]}/{h}"
+
+    def _store_job(self, keys: list[bytes], lo: int) -> None:
+        for k, key in enumerate(keys):
+            fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, self.host[lo + k])
+            finally:
+                os.close(fd)
+
+    def _load_job(self, keys: list[bytes], lo: int) -> None:
+        for k, key in enumerate(keys):
+            fd = os.open(self._path(key), os.O_RDONLY)
+            try:
+                if os.readv(fd, [self.host[lo + k]]) != self.host.shape[1]:
+                    raise RuntimeError("plain: short read")
+            finally:
+                os.close(fd)
+
+    def _run(self, fn: Callable[[list[bytes], int], None], keys: list[bytes], n: int) -> None:
+        futs = [self.pool.submit(fn, keys[i : i + JOB], i) for i in range(0, n, JOB)]
+        wait(futs)
+        for f in futs:
+            f.result()
+
+    def store(self, keys: list[bytes], n: int) -> None:
+        self._run(self._store_job, keys, n)
+
+    def load(self, keys: list[bytes], n: int) -> None:
+        self._run(self._load_job, keys, n)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class VLLM(System):
+    name = "vLLM 0.33 FileSystemTierManager (16+16 threads)"
+
+    def setup(self, root: str, host: np.ndarray) -> None:
+        from vllm.v1.kv_offload.tiering.base import TransferJob
+        from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+        self.TransferJob = TransferJob
+        # the parts of an OffloadingSpec its constructor reads (duck-typed: the real one
+        # needs a whole vLLM config)
+        cfg = SimpleNamespace(
+            groups=[SimpleNamespace(tokens_per_block=16, layer_names=["layer0"])],
+            parallel=SimpleNamespace(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, rank=0,
+                                     is_parallelism_agnostic=True),
+            replicated_layout=False, canonical_layout=False, kv_cache_layout=None,
+            model=SimpleNamespace(name="bench", dtype="float16"), cache=SimpleNamespace(tokens_per_hash=16),
+        )
+        spec = SimpleNamespace(config=cfg, blocks_per_chunk=1,
+                               kv_events_config=SimpleNamespace(enable_kv_cache_events=False))
+        self.tier = FileSystemTierManager(spec, memoryview(host), "fs", root)  # type: ignore[arg-type]
+
+    def _run(self, keys: list[bytes], n: int, load: bool) -> None:
+        t = self.tier
+        ctx = SimpleNamespace(req_id="bench")
+        jobs = set()
+        for j, i in enumerate(range(0, n, JOB)):
+            job = self.TransferJob(j, keys[i : i + JOB], np.arange(i, min(i + JOB, n), dtype=np.int64), load, ctx)
+            (t.submit_load if load else t.submit_store)(job)
+            jobs.add(j)
+        while jobs:
+            for r in t.get_finished_jobs():
+                if not r.success:
+                    raise RuntimeError(f"vLLM: job {r.job_id} failed")
+                jobs.discard(r.job_id)
+            if jobs:
+                time.sleep(0.0005)
+
+    def store(self, keys: list[bytes], n: int) -> None:
+        self._run(keys, n, False)
+
+    def load(self, keys: list[bytes], n: int) -> None:
+        self._run(keys, n, True)
+
+    def close(self) -> None:
+        self.tier.shutdown()
+
+
+def one_round(system: System, base: str, host: np.ndarray, ref: np.ndarray, keys: list[bytes]) -> dict[str, float]:
+    n, nbytes = host.shape
+    total = n * nbytes
+    root = tempfile.mkdtemp(prefix="fsbench-", dir=base)
+    try:
+        host[:] = ref
+        system.setup(root, host)
+        t0 = time.perf_counter()
+        system.store(keys, n)
+        t1 = time.perf_counter()
+        os.sync()
+        t2 = time.perf_counter()
+        dropped = drop_caches()
+        host[:] = 0
+        t3 = time.perf_counter()
+        system.load(keys, n)
+        t4 = time.perf_counter()
+        system.close()
+        if not np.array_equal(host, ref):
+            bad = int(np.count_nonzero((host != ref).any(axis=1)))
+            raise SystemExit(f"{system.name}: {bad} of {n} blocks loaded with wrong bytes")
+        return {"store": total / (t1 - t0) / 1e9, "sync": total / (t2 - t0) / 1e9, "load": total / (t4 - t3) / 1e9,
+                "dropped": dropped is None, "why": dropped or ""}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="2048x256,8192x64", help="NxKiB,... (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where the files go (default: a temp dir under /var/tmp)")
+    ap.add_argument("--systems", default="ours,vllm,plain", help="comma list of ours, vllm, plain")
+    ap.add_argument("--ours", action="append", default=[],
+                    help="extra configs of ours to compare, e.g. load_threads=8,store_threads=4 (repeatable)")
+    args = ap.parse_args(argv)
+    base = args.dir or tempfile.mkdtemp(prefix="fs_tier-", dir="/var/tmp")
+    systems: list[System] = []
+    want = args.systems.split(",")
+    if "ours" in want:
+        systems.append(Ours())
+    for spec in args.ours:
+        cfg: dict[str, Any] = {}
+        for kv in spec.split(","):
+            k, v = kv.split("=")
+            cfg[k] = None if v == "None" else (v == "True" if v in ("True", "False") else int(v))
+        systems.append(Ours(**cfg))
+    if "vllm" in want:
+        try:
+            import vllm.v1.kv_offload.tiering.fs.manager  # noqa: F401
+
+            systems.append(VLLM())
+        except Exception as exc:  # noqa: BLE001
+            print(f"vLLM peer not available ({type(exc).__name__}: {exc}); run in the peer venv", file=sys.stderr)
+    if "plain" in want:
+        systems.append(Plain())
+    probe = FileSystemSecondaryTierManager(root=os.path.join(base, "probe"), enable_events=False)
+    print(f"directory {base}: O_DIRECT {'supported' if probe.o_direct else 'not supported'}; "
+          f"checksum {probe.stats()['checksum']}; {os.cpu_count()} CPUs")
+    probe.shutdown()
+    notes = set()
+    for shape in args.shapes.split(","):
+        n, kib = (int(x) for x in shape.split("x"))
+        nbytes = kib * 1024
+        host = aligned_buffer(n, nbytes)
+        rng = np.random.default_rng(n + kib)
+        ref = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
+        keys = [make_offload_key(rng.bytes(8), 0) for _ in range(n)]
+        best: dict[str, dict[str, float]] = {s.name: {"store": 0.0, "sync": 0.0, "load": 0.0} for s in systems}
+        for _ in range(args.rounds):
+            for s in systems:
+                r = one_round(s, base, host, ref, keys)
+                if not r["dropped"]:
+                    notes.add(f"page cache NOT dropped ({r['why']}): cold loads may be served from memory")
+                for k in ("store", "sync", "load"):
+                    best[s.name][k] = max(best[s.name][k], r[k])
+        rows = []
+        for s in systems:
+            b = best[s.name]
+            rows.append([s.name, f"{b['store']:.2f}", f"{b['sync']:.2f}", f"{b['load']:.2f}"])
+        ours, peer, plain = best.get("ours"), best.get(VLLM.name), best.get(Plain.name)
+        title = (f"{n} x {kib} KiB blocks ({n * nbytes / 2**30:.2f} GiB), jobs of {JOB}, best of {args.rounds}, "
+                 "bytes verified every round")
+        print(format_table(title, ["system", "store GB/s", "store + sync GB/s", "cold load GB/s"], rows))
+        if ours and peer:
+            print(f"  ours / vLLM: store {ours['store'] / peer['store']:.2f}x, store+sync "
+                  f"{ours['sync'] / peer['sync']:.2f}x (target >= 1), cold load {ours['load'] / peer['load']:.2f}x "
+                  "(target >= 1.2)")
+        if ours and plain:
+            print(f"  ours / plain loop: cold load {ours['load'] / plain['load']:.2f}x (target >= 0.9), "
+                  f"store+sync {ours['sync'] / plain['sync']:.2f}x")
+    print("page cache: " + ("; ".join(sorted(notes)) if notes else
+                            "dropped before every load (as root: sync; echo 3 > /proc/sys/vm/drop_caches)"))
+    if not args.dir:
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

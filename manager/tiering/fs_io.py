@@ -1,0 +1,268 @@
+"""The fs tier's block files and the direct read/write path (no intermediate bytes).
+
+A block file is one page of header followed by the payload, so the payload starts at an
+offset every ``O_DIRECT`` device accepts::
+
+    offset 0     magic b"KVB2" | version u8 | checksum kind u8 | reserved u16
+                 | payload length u64 | payload checksum u32 | key length u32     (24 bytes, BE)
+                 | key | header checksum u32 (CRC32C/CRC32 of everything before it)
+                 | zeros up to HEADER_SIZE (4096)
+    offset 4096  payload (one block of the primary tier)
+
+A load is one ``preadv`` of header page + payload straight into the destination slot (a
+bounce buffer only when ``O_DIRECT`` needs an alignment the slot lacks); the checksum is
+then computed over the slot in place (CRC32C, hardware, ~20 GB/s here, against ~0.8 GB/s for
+zlib's CRC32 — the fallback when neither ``google-crc32c`` nor ``crc32c`` is installed). A
+store is one ``pwritev`` of header page + slot into a temp file, renamed into place.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ALIGN",
+    "CRC_CRC32",
+    "CRC_CRC32C",
+    "HEADER_SIZE",
+    "BlockFileError",
+    "IOBuffers",
+    "checksum_for",
+    "crc32c",
+    "default_crc_kind",
+    "probe_o_direct",
+    "read_block_into",
+    "read_header",
+    "write_block_file",
+]
+
+MAGIC = b"KVB2"
+LEGACY_MAGIC = b"KVB1"  # the previous format (header + key + payload): dropped at start-up
+VERSION = 2
+HEADER_SIZE = 4096
+ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths (the safe value)
+_FIXED = struct.Struct(">4sBBHQII")
+_U32 = struct.Struct(">I")
+MAX_KEY = HEADER_SIZE - _FIXED.size - _U32.size
+
+CRC_CRC32C = 1
+CRC_CRC32 = 2
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _load_crc32c() -> Callable[[Any], int] | None:
+    try:
+        import google_crc32c  # type: ignore[import-not-found]
+
+        value = google_crc32c.value
+        if google_crc32c.implementation == "c":
+
+            def g(data: Any) -> int:  # takes bytes or numpy arrays, not other buffers
+                return value(data if isinstance(data, bytes) else np.frombuffer(data, np.uint8))
+
+            return g
+    except ImportError:
+        pass
+    try:
+        import crc32c as _c  # type: ignore[import-not-found]
+
+        return _c.crc32c  # type: ignore[no-any-return]
+    except ImportError:
+        return None
+
+
+#: CRC32C of a buffer (None: no hardware implementation installed).
+crc32c = _load_crc32c()
+
+
+def default_crc_kind() -> int:
+    return CRC_CRC32C if crc32c is not None else CRC_CRC32
+
+
+def checksum_for(kind: int) -> Callable[[Any], int] | None:
+    """The checksum function of ``kind``, or None if this process cannot compute it."""
+    if kind == CRC_CRC32C:
+        return crc32c
+    if kind == CRC_CRC32:
+        return zlib.crc32
+    return None
+
+
+class BlockFileError(Exception):
+    """A block file that is not a whole, valid block: ``reason`` says which check failed
+    (``missing``, ``short``, ``magic``, ``header``, ``key``, ``length``, ``checksum``,
+    ``unverifiable``)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def probe_o_direct(directory: str) -> bool:
+    """Whether an aligned ``O_DIRECT`` write and read work in ``directory`` (tmpfs and some
+    overlay/network filesystems refuse it with EINVAL)."""
+    if not O_DIRECT:
+        return False
+    path = os.path.join(directory, f".o_direct_probe.{os.getpid()}.{threading.get_ident()}")
+    page = mmap.mmap(-1, ALIGN)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC | O_DIRECT | os.O_CLOEXEC, 0o600)
+        try:
+            return os.pwrite(fd, page, 0) == ALIGN and os.preadv(fd, [page], 0) == ALIGN
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        page.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _address(buf: Any) -> int:
+    return int(np.frombuffer(buf, np.uint8).ctypes.data) if len(buf) else 0
+
+
+def aligned(buf: Any) -> bool:
+    """Whether ``buf`` can be handed to an ``O_DIRECT`` read or write as it is."""
+    return len(buf) % ALIGN == 0 and _address(buf) % ALIGN == 0
+
+
+class IOBuffers(threading.local):
+    """Per-thread page-aligned buffers (anonymous mmaps): the header page, and a bounce
+    buffer for O_DIRECT transfers of slots that are not aligned."""
+
+    def __init__(self) -> None:
+        self.header = mmap.mmap(-1, HEADER_SIZE)
+        self.header_view = memoryview(self.header)
+        self._bounce: mmap.mmap | None = None
+
+    def bounce(self, nbytes: int) -> memoryview:
+        size = -(-nbytes // ALIGN) * ALIGN
+        if self._bounce is None or len(self._bounce) < size:
+            if self._bounce is not None:
+                self._bounce.close()
+            self._bounce = mmap.mmap(-1, size)
+        return memoryview(self._bounce)[:nbytes]
+
+
+def build_header(buf: memoryview, key: bytes, payload: Any, crc_kind: int) -> None:
+    """Write the header page for ``key``/``payload`` into ``buf`` (HEADER_SIZE bytes)."""
+    if len(key) > MAX_KEY:
+        raise ValueError(f"fs tier: key of {len(key)} bytes does not fit the header ({MAX_KEY} max)")
+    fn = checksum_for(crc_kind)
+    assert fn is not None
+    _FIXED.pack_into(buf, 0, MAGIC, VERSION, crc_kind, 0, len(payload), fn(payload), len(key))
+    end = _FIXED.size + len(key)
+    buf[_FIXED.size : end] = key
+    _U32.pack_into(buf, end, fn(buf[:end]))
+    buf[end + 4 :] = bytes(HEADER_SIZE - end - 4)
+
+
+def read_header(head: Any, key: bytes | None = None) -> tuple[bytes, int, int, int]:
+    """``(key, payload length, payload checksum, checksum kind)`` of a header page; raises
+    :class:`BlockFileError`."""
+    if len(head) < _FIXED.size:
+        raise BlockFileError("short", f"{len(head)} header bytes")
+    magic, version, kind, _r, length, crc, klen = _FIXED.unpack_from(head)
+    if magic != MAGIC:
+        raise BlockFileError("magic", repr(bytes(magic)))
+    end = _FIXED.size + klen
+    if version != VERSION or klen > MAX_KEY or len(head) < end + 4:
+        raise BlockFileError("header", f"version {version}, key length {klen}")
+    fn = checksum_for(kind)
+    if fn is None:
+        raise BlockFileError("unverifiable", f"checksum kind {kind} not available here")
+    if fn(head[:end]) != _U32.unpack_from(head, end)[0]:
+        raise BlockFileError("header", "header checksum")
+    stored = bytes(head[_FIXED.size : end])
+    if key is not None and stored != key:
+        raise BlockFileError("key", "the file holds another key")
+    return stored, length, crc, kind
+
+
+def read_block_into(path: str, key: bytes, slot: memoryview | None, nbytes: int, bufs: IOBuffers,
+                    direct: bool) -> memoryview | None:
+    """Read the block file ``path`` of ``key`` (payload ``nbytes`` long) and check it.
+
+    ``slot`` (writable, ``nbytes`` long) receives the payload straight from the kernel; with
+    ``slot=None`` the payload lands in the thread's bounce buffer, which is returned (the
+    caller copies it where it belongs). Raises :class:`BlockFileError` (or OSError): then the
+    slot holds garbage and must not be used."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    dest = slot
+    if direct:
+        if slot is None or not aligned(slot):
+            dest = bufs.bounce(nbytes)
+            if not aligned(dest):
+                direct = False
+    elif dest is None:
+        dest = bufs.bounce(nbytes)
+    try:
+        fd = os.open(path, flags | (O_DIRECT if direct else 0))
+    except FileNotFoundError:
+        raise BlockFileError("missing", path) from None
+    try:
+        got = os.preadv(fd, [bufs.header_view, dest], 0)
+    finally:
+        os.close(fd)
+    if got < HEADER_SIZE:
+        raise BlockFileError("short", f"{got} bytes")
+    _k, length, crc, kind = read_header(bufs.header_view, key)
+    if length != nbytes:
+        raise BlockFileError("length", f"payload of {length} bytes, a block holds {nbytes}")
+    if got != HEADER_SIZE + nbytes:
+        raise BlockFileError("short", f"{got - HEADER_SIZE} of {nbytes} payload bytes")
+    fn = checksum_for(kind)
+    assert fn is not None  # read_header checked it
+    if fn(dest) != crc:
+        raise BlockFileError("checksum", path)
+    if slot is not None and dest is not slot:
+        slot[:] = dest
+        return None
+    return None if slot is not None else dest
+
+
+def write_block_file(tmp: str, path: str, key: bytes, payload: Any, bufs: IOBuffers, direct: bool,
+                     crc_kind: int, sync: bool) -> None:
+    """Write ``payload`` as the block file of ``key``: to ``tmp``, then renamed to ``path``
+    (a reader sees no file or a whole one). ``sync``: the data reaches stable storage
+    (``fdatasync``) before the rename. Leaves no temp file behind on error."""
+    build_header(bufs.header_view, key, payload, crc_kind)
+    src = payload
+    if direct and not aligned(payload):
+        if len(payload) % ALIGN:
+            direct = False  # the length cannot be padded without changing the file
+        else:
+            src = bufs.bounce(len(payload))
+            src[:] = payload
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0), 0o644)
+    try:
+        try:
+            want = HEADER_SIZE + len(payload)
+            n = os.pwritev(fd, [bufs.header_view, src], 0)
+            if n != want:  # a short write: the disk is full
+                raise OSError(errno.ENOSPC, f"short write: {n} of {want} bytes", tmp)
+            if sync:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
