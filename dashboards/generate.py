@@ -256,7 +256,7 @@ def pipeline() -> Board:
 def tiers() -> Board:
     b = Board("Offload tiers", "kvevents-offload-tiers",
               "The tiered KV offload manager: usage per tier, stores, loads, evictions, promotions, cascades, "
-              "transfer jobs.",
+              "store backpressure, pending lookups, transfer jobs.",
               DS_VARS + [label_var("engine", "kvevents.manager.blocks.used", "engine"),
                          label_var("tier", "kvevents.manager.blocks.used", "tier")])
     s = 'engine=~"$engine", tier=~"$tier"'
@@ -276,6 +276,13 @@ def tiers() -> Board:
                  [(rate("kvevents.manager.cascades", s, by="tier"), "to {{tier}}")], unit="ops")
     b.timeseries("Bytes moved /s", [(rate("kvevents.manager.bytes", s, by="tier, direction"),
                                      "{{tier}} {{direction}}")], unit="Bps")
+    b.row("Backpressure and asynchronous lookups")
+    b.timeseries("Stores skipped /s (a tier behind: never written or announced)",
+                 [(rate("kvevents.manager.stores.skipped", s, by="tier"), "{{tier}}")], unit="ops")
+    b.timeseries("Store backlog (blocks queued per tier)",
+                 [(f"sum by (tier) ({metric('kvevents.manager.store.backlog')}{{{s}}})", "{{tier}}")])
+    b.timeseries("Pending lookups /s (asked again next step)",
+                 [(rate("kvevents.manager.lookups.pending", s, by="tier"), "{{tier}}")], unit="ops")
     b.row("Transfer jobs")
     b.timeseries("Job latency p50 / p99", [
         (quantile(0.5, "kvevents.manager.job.duration", s, by="tier, direction"), "p50 {{tier}} {{direction}}"),

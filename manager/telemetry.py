@@ -305,6 +305,10 @@ def observe_manager(mgr: Any, tier_names: list[str] | None = None, meter: Meter 
             lambda: [(p.ok_blocks["load"], A[p.tier]) for p in probes if p.kind == "tier"])
     obs.add(meter, "kvevents.manager.cascades",
             lambda: [(p.ok_blocks["store"], A[p.tier]) for p in probes if p.kind == "tier"])
+    obs.add(meter, "kvevents.manager.stores.skipped", lambda: tier_counter("blocks_skipped", lambda p: None))
+    obs.add(meter, "kvevents.manager.lookups.pending", lambda: tier_counter("lookups_pending", lambda p: None))
+    obs.add(meter, "kvevents.manager.store.backlog",
+            lambda: [(t.store_backlog(), A[n]) for t, n in zip(tiers, names[1:]) if hasattr(t, "store_backlog")])
     if connector is not None:
         ea = {"engine": engine}
         obs.add(meter, "kvevents.manager.steps", lambda: [(connector.steps, ea)])

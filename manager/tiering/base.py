@@ -119,6 +119,11 @@ class SecondaryTierManager(ABC):
         """Whether jobs are in flight or results are waiting to be collected."""
         return False
 
+    def holds(self, key: OffloadKey) -> bool:
+        """Whether the tier holds ``key`` as far as it knows now, without starting any
+        lookup work (the tiering manager asks this before storing a block into the tier)."""
+        return self.lookup(key, None) is LookupResult.HIT
+
     def store_backlog(self) -> int:
         """Blocks of store jobs submitted and not yet finished (0 for synchronous tiers)."""
         return 0

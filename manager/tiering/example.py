@@ -57,6 +57,9 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
     def on_schedule_end(self) -> None:
         self._step += 1
 
+    def holds(self, key: OffloadKey) -> bool:
+        return key in self.store
+
     def submit_store(self, job: JobMetadata) -> None:
         io = self.block_io
         new = []

@@ -68,8 +68,8 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         *,
         root: str | os.PathLike[str],
         capacity_blocks: int | None = None,
-        load_threads: int = 4,
-        store_threads: int = 2,
+        load_threads: int = 32,
+        store_threads: int = 16,
         num_threads: int | None = None,
         fsync: bool = False,
         o_direct: bool | None = None,
@@ -192,12 +192,15 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
             self.lookups_pending += 1
         return _RETRY
 
+    def holds(self, key: OffloadKey) -> bool:
+        return key in self._index
+
     def _probe(self, key: OffloadKey) -> None:
         io = self.block_io
         found = probe_block_file(self._file(key), key, io.block_nbytes if io is not None else None)
         with self._lock:
             self._probing.discard(key)
-            if found and key not in self._index:
+            if found and key not in self._index and key not in self._writing:
                 self._index[key] = None
                 self.lookups_found_on_disk += 1
                 self._emit([key], removed=False)
@@ -344,10 +347,11 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
             with self._lock:
                 self._writing.difference_update(written)
                 if durable:
+                    new = [k for k in written if k not in self._index]  # (a lookup probe may have been first)
                     for key in written:
                         self._index[key] = None
                     self.stores += len(written)
-                    self._emit(written, removed=False)
+                    self._emit(new, removed=False)
                     self._evict_over_capacity()
                 else:
                     for key in written:  # not known durable: not claimed

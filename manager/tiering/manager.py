@@ -203,7 +203,7 @@ class TieringOffloadingManager(OffloadingManager):
         for i in tiers:
             tier = self.tiers[i]
             storing = self._tier_storing[i]
-            todo = [k for k in keys if k not in storing and tier.lookup(k, req_context) is not _HIT]
+            todo = [k for k in keys if k not in storing and not tier.holds(k)]
             if not todo or not tier.admit_store(len(todo)):  # backpressure: skipped and counted
                 continue
             spec = self.primary.prepare_load(todo, req_context)  # pinned until the job's result
