@@ -108,6 +108,8 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self._lock = threading.Condition()
         self._index: OrderedDict[OffloadKey, None] = OrderedDict()  # committed keys, LRU first
         self._writing: set[OffloadKey] = set()
+        self._deleting: set[OffloadKey] = set()  # evicted or damaged, file not unlinked yet
+        self._to_delete: list[OffloadKey] = []
         self._reading: dict[OffloadKey, int] = {}  # key -> loads in flight (not evictable)
         self._finished: list[JobResult] = []
         self._in_flight = 0
@@ -154,10 +156,26 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         return f"{self._root}/{h[:2]}/{h}{SUFFIX}"
 
     def _delete_file(self, key: OffloadKey) -> None:
-        try:
-            os.unlink(self._file(key))
-        except OSError:
-            pass
+        """(Lock held.) Queue the file's deletion: the unlink runs after the lock is released
+        (:meth:`_flush_deletes`), so a slow disk never holds the lock the scheduler's calls
+        take. Until then the key is in ``_deleting`` and a store of it is left out."""
+        self._deleting.add(key)
+        self._to_delete.append(key)
+
+    def _flush_deletes(self) -> None:
+        """(Lock not held.) Unlink the queued files."""
+        while True:
+            with self._lock:
+                if not self._to_delete:
+                    return
+                batch, self._to_delete = self._to_delete, []
+            for key in batch:
+                try:
+                    os.unlink(self._file(key))
+                except OSError:
+                    pass
+            with self._lock:
+                self._deleting.difference_update(batch)
 
     def _recover(self) -> None:
         res = scan_root(self._root, self._owner)
@@ -170,6 +188,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         # Announce what was found, then drop what no longer fits (emits removals).
         self._emit(list(self._index), removed=False)
         self._evict_over_capacity()
+        self._flush_deletes()
 
     # -- role --------------------------------------------------------------------
 
@@ -200,7 +219,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         found = probe_block_file(self._file(key), key, io.block_nbytes if io is not None else None)
         with self._lock:
             self._probing.discard(key)
-            if found and key not in self._index and key not in self._writing:
+            if found and key not in self._index and key not in self._writing and key not in self._deleting:
                 self._index[key] = None
                 self.lookups_found_on_disk += 1
                 self._emit([key], removed=False)
@@ -210,6 +229,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                 if len(self._answers) > _MAX_ANSWERS:
                     self._answers.popitem(last=False)  # (that key is probed again if asked)
             self._lock.notify_all()
+        self._flush_deletes()
 
     def cached_keys(self) -> set[OffloadKey]:
         with self._lock:
@@ -314,8 +334,8 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
             block_ids = job.block_ids[lo:hi].tolist()
             for key, block_id in zip(job.keys[lo:hi], block_ids):
                 with self._lock:
-                    if key in self._index or key in self._writing:
-                        continue
+                    if key in self._index or key in self._writing or key in self._deleting:
+                        continue  # stored, being stored, or its old file not yet unlinked
                     self._writing.add(key)
                 try:
                     payload = io.read_block(block_id) if io is not None else b""
@@ -356,6 +376,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                 else:
                     for key in written:  # not known durable: not claimed
                         self._delete_file(key)
+            self._flush_deletes()
             self._task_done(state, ok, hi - lo)
 
     def _load_task(self, state: _JobState, lo: int, hi: int) -> None:
@@ -372,6 +393,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                     break
         except Exception:
             ok = False
+        self._flush_deletes()
         self._task_done(state, ok)
 
     def _load_one(self, key: OffloadKey, block_id: int, nbytes: int | None, bufs: fs_io.IOBuffers) -> bool:
