@@ -119,8 +119,9 @@ def _check_file(path: str) -> tuple[str, bytes | None, float]:
         return "foreign", None, 0.0
     try:
         key, length, _crc, _kind = read_header(head)
-    except BlockFileError:
-        return "torn", None, 0.0
+    except BlockFileError as exc:
+        # a checksum this process cannot compute: not damaged, not loadable here: left alone
+        return ("foreign" if exc.reason == "unverifiable" else "torn"), None, 0.0
     if st.st_size != HEADER_SIZE + length or os.path.basename(path) != key.hex() + SUFFIX:
         return "torn", None, 0.0
     return "ours", key, st.st_mtime
