@@ -285,3 +285,66 @@ def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvdemo.engine_http MODEL --port P --kv-events-config JSON``: one simulated engine,
+    started the way ``vllm serve MODEL --port P --kv-events-config JSON`` starts a real one.
+    SIGTERM/SIGINT stop it (exit 0)."""
+    import argparse
+    import json
+    import shutil
+    import signal
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from kvevents.config import EventPublisherFactory, KVEventsConfig
+    from kvevents.errors import KVEventsError
+
+    from .nodes import EngineSizing, make_node
+
+    ap = argparse.ArgumentParser(prog="python -m kvdemo.engine_http",
+                                 description="A SIMULATED engine (no model runs) with vLLM's KV events and an "
+                                             "OpenAI-compatible HTTP API, standing in for `vllm serve`.")
+    ap.add_argument("model")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--kv-events-config", default="{}", metavar="JSON", help="vLLM's KVEventsConfig as JSON")
+    ap.add_argument("--tokenizer", help="a local Hugging Face tokenizer (else the toy word tokenizer)")
+    ap.add_argument("--name", default="engine", help="name of the engine (its fs tier directory)")
+    args = ap.parse_args(argv)
+    try:
+        kv = KVEventsConfig.from_dict(json.loads(args.kv_events_config))
+        pub = EventPublisherFactory.create(kv) if kv.enable_kv_cache_events else None
+    except (ValueError, KVEventsError) as exc:
+        print(f"engine_http: error: --kv-events-config: {exc}", file=sys.stderr)
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="kvsim-engine-"))
+    node = make_node(args.name, root, EngineSizing(), model=args.model, publish=pub is not None, publisher=pub,
+                     endpoint=kv.endpoint, replay_endpoint=kv.replay_endpoint, topic=kv.topic)
+    server = EngineServer(node, args.model, host=args.host, port=args.port, tokenizer=args.tokenizer)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        url = await server.start()
+        print(f"simulated engine {args.name}: serving {args.model} on {url} (KV events: "
+              f"{kv.endpoint if pub is not None else 'off'})", flush=True)
+        await stop.wait()
+        await server.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        if pub is not None:
+            pub.shutdown(timeout=0.5)
+        node.shutdown_engine()
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

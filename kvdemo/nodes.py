@@ -92,18 +92,21 @@ class Node:
 
 def make_node(name: str, root: Path, sizing: EngineSizing, *, model: str | None = None,
               drop_rate: float = 0.0, seed: int = 0, publish: bool = True, topic: str | None = None,
-              endpoint: str | None = None, replay_endpoint: str | None = None) -> Node:
+              endpoint: str | None = None, replay_endpoint: str | None = None, publisher=None) -> Node:
     """An engine called ``name`` with its fs tier under ``root/name-fs``; when ``publish``,
     a ZeroMQ publisher on ``endpoint`` (default ``ipc://root/name.pub``) with its replay socket
     on ``replay_endpoint`` (default beside it), on ``topic`` (default ``kv@name@model``; vLLM's
-    default is ``""``)."""
+    default is ``""``). A ``publisher`` given is used as is (say, one EventPublisherFactory built
+    from a vLLM-style ``--kv-events-config``)."""
     fs_dir = root / f"{name}-fs"
     spec = CPUOffloadingSpec(sizing.cpu_blocks, cache_policy="lru", enable_events=publish,
                              offloaded_block_size=sizing.offload_block_size,
                              secondary_tiers=[{"type": "fs", "root": str(fs_dir), "capacity_blocks": sizing.fs_blocks,
                                                "num_threads": 1}])
     pub = replay = dropper = None
-    if publish:
+    if publisher is not None:
+        pub = publisher
+    elif publish:
         endpoint = endpoint or f"ipc://{root}/{name}.pub"
         replay = replay_endpoint or f"ipc://{root}/{name}.replay"
         topic = f"kv@{name}@{model}" if topic is None else topic

@@ -59,7 +59,8 @@ class Api:
         self.metrics = HttpMetrics()
         self.tokenizer = tokenizer
         self.internal_errors = 0
-        self.prometheus = None  # (registry, reader, provider, observations) once telemetry is on
+        self.telemetry = None  # kvservice.metrics.Telemetry once the service runs
+        self.proxy = None  # kvservice.proxy.Proxy in --proxy mode
 
     # ---- middleware ------------------------------------------------------------------------
     @web.middleware
@@ -125,8 +126,6 @@ class Api:
         if req.token_ids is not None:
             if not req.token_ids:
                 raise ApiError(400, "token_ids is empty", "token_ids")
-            if any(t < 0 or t >= 1 << 32 for t in req.token_ids):
-                raise ApiError(400, "token_ids: every id must be in [0, 2**32)", "token_ids")
             return req.token_ids
         if req.prompt is not None and not req.prompt:
             raise ApiError(400, "prompt is empty", "prompt")
@@ -173,8 +172,14 @@ class Api:
         view = self.fleet.pods_view()
         with self.fleet.lock:
             counters = self.fleet.router.counters()
-        view["router"] = {"entries": counters.get("entries"), "keys": counters.get("keys"),
+            by_tier = self.fleet.router.entries_by_tier()
+        view["router"] = {"entries": counters.get("entries"), "entries_by_tier": by_tier, "keys": counters.get("keys"),
                           "errors": counters.get("errors", {}), "batches": counters.get("batches")}
+        proxy = getattr(self, "proxy", None)
+        if proxy is not None:
+            down = proxy.down_pods()
+            for p in view["pods"]:
+                p["proxy_down"] = p["name"] in down
         return json_response(view)
 
     async def healthz(self, request: web.Request) -> web.Response:

@@ -100,8 +100,9 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
     return cfg.validate()
 
 
-async def serve(cfg: ServiceConfig, stop: asyncio.Event, *, announce=print) -> None:
-    """Run the service until ``stop`` is set."""
+async def serve(cfg: ServiceConfig, stop: asyncio.Event, *, announce=print, fleet=None) -> None:
+    """Run the service until ``stop`` is set (``fleet``: a :class:`kvservice.ingest.Fleet` built
+    from ``cfg`` beforehand, e.g. pre-filled by a benchmark; else one is built here)."""
     from aiohttp import web
 
     from .api import API_KEY, build_app, make_tokenizer, read_token
@@ -109,7 +110,7 @@ async def serve(cfg: ServiceConfig, stop: asyncio.Event, *, announce=print) -> N
     from .metrics import Telemetry
 
     token = read_token(cfg.api.api_token_file) if cfg.api.api_token_file else None
-    fleet = Fleet(cfg)
+    fleet = fleet if fleet is not None else Fleet(cfg)
     try:
         tokenizer = make_tokenizer(fleet, cfg.api.tokenizer, cfg.api.upstream_timeout)
         proxy = None

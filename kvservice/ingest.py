@@ -231,12 +231,8 @@ class Fleet:
         self.ready = all(st.synced_once for st in self.pods.values() if st.configured)
 
     def _unreliable(self) -> set[str]:
-        out = set()
-        for model in self.models:
-            for pod, exps in self.router.explain([], model=model).items():
-                if any(e.state == "UNRELIABLE" for e in exps):
-                    out.add(pod)
-        return out
+        """Pods the router excludes because events were lost for good (until a reset)."""
+        return {ep.pod for ep in self.router.endpoints if ep.unreliable}
 
     def pods_view(self) -> dict:
         now = time.time()

@@ -56,7 +56,8 @@ SCHEMAS = {
         "last_recv_age_s": {"type": ["number", "null"]}, "lag_s": {"type": ["number", "null"]},
         "batches": {"type": "integer"}, "gaps": {"type": "integer"}, "unrecoverable": {"type": "integer"},
         "resets": {"type": "integer"}, "malformed": {"type": "object"},
-        "publishers": {"type": "array", "items": {"type": "string"}}}},
+        "publishers": {"type": "array", "items": {"type": "string"}},
+        "proxy_down": {"type": "boolean", "description": "proxy mode: skipped after a failure, for down_for s"}}},
     "Pods": {"type": "object", "required": ["pods", "unattributed", "ready"], "properties": {
         "pods": {"type": "array", "items": {"$ref": "#/components/schemas/PodStatus"}},
         "unattributed": {"type": "array", "items": {"type": "object", "properties": {

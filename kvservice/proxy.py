@@ -221,6 +221,10 @@ class Proxy:
         finally:
             up.release()
 
+    def down_pods(self) -> set[str]:
+        now = time.monotonic()
+        return {p for p, t in self.down_until.items() if t > now}
+
     def metric_lines(self) -> list[str]:
         out = ["# HELP kvservice_proxy_requests_total Proxied attempts by pod and outcome "
                "(ok, failed, timeout, status_5xx, failed_midstream)",

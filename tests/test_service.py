@@ -59,6 +59,7 @@ def test_routes_round_trip_on_vllm_default_topic(fleet2) -> None:
     # the pod table follows subscriber health a few times a second
     pods = wait_for(lambda: (p := http.get("/v1/pods")[1])["pods"][0]["last_seq"] == 0 and p, what="pod table")
     assert pods["ready"] is True and pods["unattributed"] == []
+    assert pods["router"]["entries_by_tier"]["GPU"] == 6
     a = next(p for p in pods["pods"] if p["name"] == "a")
     assert a["state"] == "SYNCED" and a["last_seq"] == 0 and a["batches"] == 1 and a["lag_s"] is not None
     status, headers, text = http.call("GET", "/metrics")

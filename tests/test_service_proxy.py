@@ -99,6 +99,8 @@ def test_a_killed_pod_is_skipped_counted_and_named(proxied) -> None:
     assert f'kvservice_proxy_requests_total{{pod="{victim}",outcome="failed"}} 1' in text
     assert "kvservice_proxy_retries_total 1" in text
     assert f'kvservice_pod_down{{pod="{victim}"}} 1' in text
+    pods = {p["name"]: p for p in http.get("/v1/pods")[1]["pods"]}
+    assert pods[victim]["proxy_down"] is True and sum(p["proxy_down"] for p in pods.values()) == 1
 
 
 def test_proxy_errors_are_json(proxied) -> None:
