@@ -77,7 +77,7 @@ def test_routes_round_trip_on_vllm_default_topic(fleet2) -> None:
     ({"model": MODEL, "token_ids": "abc"}, 400, "token_ids"),
     ({"model": MODEL, "token_ids": [1, "x"]}, 400, "token_ids[1]"),
     ({"model": MODEL, "token_ids": []}, 400, "token_ids"),
-    ({"model": MODEL, "token_ids": [-1]}, 400, "token_ids"),
+    ({"model": MODEL, "token_ids": [-1]}, 400, "token_ids[0]"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     ({"model": MODEL}, 400, "token_ids"),
     ({"model": MODEL, "token_ids": [1], "prompt": "x"}, 400, "prompt"),
