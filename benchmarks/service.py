@@ -168,7 +168,10 @@ def _ms(text: str) -> float:
 def run_wrk(url: str, script: Path, conns: int, seconds: float) -> dict:
     out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--latency", "-s", str(script), url],
                          capture_output=True, text=True, timeout=seconds + 60).stdout
-    res = {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))}
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if m is None:
+        raise RuntimeError(f"wrk gave no result: {out!r}")
+    res = {"rps": float(m.group(1))}
     for q in ("50", "99"):
         res[f"p{q}"] = _ms(re.search(rf"^\s+{q}%\s+(\S+)", out, re.M).group(1))
     non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)

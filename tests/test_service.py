@@ -197,3 +197,25 @@ def test_bind_mode_counts_and_logs_batches_it_cannot_attribute(tmp_path, caplog)
         anon.shutdown(timeout=0.5)
         named.shutdown(timeout=0.5)
         svc.close()
+
+
+def test_a_gap_shows_the_pod_unreliable_and_a_reset_clears_it(tmp_path) -> None:
+    from kvevents import Delivery, DeliveryKind, encode_batch
+    from kvservice.ingest import Fleet
+
+    cfg = from_dict({"router": {"model": MODEL}, "subscriber": {"late_join": False},
+                     "pods": [{"name": "a", "endpoint": f"ipc://{tmp_path}/a.pub"}]}).validate()
+    fleet = Fleet(cfg)
+    try:
+        payload = encode_batch(stored(TOKS, [1, 2, 3, 4]))
+        fleet.take(Delivery(DeliveryKind.BATCH, "a", "", 0, None, 1.0, payload=payload))
+        assert fleet.router.pick(TOKS, model=MODEL) == "a"
+        fleet.take(Delivery(DeliveryKind.GAP, "a", "", 1, missed=3, reason="lost"))
+        fleet._refresh(2.0)
+        assert fleet.pods["a"].state == "UNRELIABLE"
+        assert fleet.router.pick(TOKS, model=MODEL) is None  # excluded until it is back in sync
+        fleet.take(Delivery(DeliveryKind.RESET, "a", "", 0))
+        fleet._refresh(3.0)
+        assert fleet.pods["a"].state == "SYNCED" and fleet.unattributed == {}
+    finally:
+        fleet.stop()
