@@ -166,7 +166,7 @@ def _ms(text: str) -> float:
 
 
 def run_wrk(url: str, script: Path, conns: int, seconds: float) -> dict:
-    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--latency", "-s", str(script), url],
+    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--latency", "-s", str(script), url],
                          capture_output=True, text=True, timeout=seconds + 60).stdout
     m = re.search(r"Requests/sec:\s+([\d.]+)", out)
     if m is None:

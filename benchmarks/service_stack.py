@@ -78,6 +78,20 @@ def serve(stack: str, port: int) -> None:
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
+def measure(p, port: int, stack: str, res: dict, seconds: float) -> None:
+    d = Path(p.stdout.readline().strip())
+    url = f"http://127.0.0.1:{port}"
+    for _t in range(1200):  # wait until it accepts (60 s)
+        if subprocess.run(["curl", "-sf", url + "/healthz"], capture_output=True).returncode == 0:
+            break
+        threading.Event().wait(0.05)
+    bodies = [b.encode() for b in json.loads((d / "bodies.json").read_text())]
+    health = d / "health.lua"
+    health.write_text('wrk.method = "GET"\nrequest = function() return wrk.format(nil, "/healthz") end\n')
+    res.setdefault((stack, "GET /healthz"), []).append(run_wrk(url, health, 16, seconds))
+    res.setdefault((stack, "POST /v1/score"), []).append(run_wrk(url, lua_script(d, bodies), 16, seconds))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--serve")
@@ -96,19 +110,11 @@ def main() -> None:
             port = free_tcp_ports(1)[0]
             p = subprocess.Popen([sys.executable, __file__, "--serve", stack.split("+")[0], "--port", str(port)],
                                  stdout=subprocess.PIPE, text=True)
-            d = Path(p.stdout.readline().strip())
-            url = f"http://127.0.0.1:{port}"
-            for _t in range(1200):  # wait until it accepts (60 s)
-                if subprocess.run(["curl", "-sf", url + "/healthz"], capture_output=True).returncode == 0:
-                    break
-                threading.Event().wait(0.05)
-            bodies = [b.encode() for b in json.loads((d / "bodies.json").read_text())]
-            health = d / "health.lua"
-            health.write_text('wrk.method = "GET"\nrequest = function() return wrk.format(nil, "/healthz") end\n')
-            res.setdefault((stack, "GET /healthz"), []).append(run_wrk(url, health, 16, args.seconds))
-            res.setdefault((stack, "POST /v1/score"), []).append(run_wrk(url, lua_script(d, bodies), 16, args.seconds))
-            p.terminate()
-            p.wait(10)
+            try:
+                measure(p, port, stack, res, args.seconds)
+            finally:
+                p.terminate()
+                p.wait(10)
     rows = []
     for (stack, route), rs in sorted(res.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         rows.append((route, stack, statistics.median(r["rps"] for r in rs), statistics.median(r["p50"] for r in rs),
