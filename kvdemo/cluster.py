@@ -69,10 +69,17 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--serve", action="store_true",
                    help="instead: the router service (kvevents router --proxy) in front of simulated engines with "
                         "OpenAI-compatible HTTP servers, and a load generator sending real HTTP through it")
+    p.add_argument("--event-plane", choices=("nats",), default=None,
+                   help="instead: the fleet topology on a local nats-server (JetStream): engines, a bridge, two "
+                        "router replicas, one killed and restarted mid-run (needs nats-server on PATH)")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "event_plane", None) == "nats":
+        from .plane import run_plane_demo
+
+        return run_plane_demo(duration=max(args.duration, 3.0), engines=args.engines, seed=args.seed, out=sys.stdout)
     if getattr(args, "serve", False):
         from .serve import run_serve
 

@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model of pods that name none (router.model)")
     p.add_argument("--block-size", type=int, metavar="N", help="the router's block size (router.block_size)")
     p.add_argument("--bind", metavar="ENDPOINT", help="bind mode: engines connect to this endpoint")
+    p.add_argument("--event-plane", metavar="nats://HOST:PORT",
+                   help="read the fleet's KV events from the NATS JetStream event plane (see kvevents bridge)")
+    p.add_argument("--replica-name", default=None, metavar="NAME",
+                   help="with --event-plane: this replica's durable consumer name (default kvrouter-<pid>)")
     p.add_argument("--host", help="API address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="API port (default 8000; 0 picks a free one)")
     p.add_argument("--api-token-file", metavar="FILE", help="require 'Authorization: Bearer <token in FILE>'")
@@ -91,6 +95,9 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
             setattr(cfg.api, k, getattr(args, k))
     if args.bind is not None:
         cfg.subscriber.bind = args.bind
+    if getattr(args, "event_plane", None) is not None:
+        cfg.subscriber.event_plane = args.event_plane
+        cfg.subscriber.replica_name = args.replica_name
     if args.no_late_join:
         cfg.subscriber.late_join = False
     if args.stale_after is not None:

@@ -96,6 +96,9 @@ class SubscriberConfig:
     stale_after: float = 10.0
     replay_timeout: float = 2.0
     bind: str | None = None
+    #: nats://HOST:PORT: read the fleet's events from the JetStream event plane instead of ZeroMQ
+    event_plane: str | None = None
+    replica_name: str | None = None  #: with event_plane: the durable consumer's name (default kvrouter-<pid>)
 
 
 @dataclass(slots=True)
@@ -139,7 +142,14 @@ class ServiceConfig:
 
     def validate(self) -> "ServiceConfig":
         bind = self.subscriber.bind
-        if bind is not None:
+        plane = self.subscriber.event_plane
+        if plane is not None:
+            if not isinstance(plane, str) or not plane.startswith(("nats://", "tls://")):
+                raise ConfigError(f"subscriber.event_plane must be a nats://HOST:PORT URL, got {plane!r}")
+            if bind is not None:
+                raise ConfigError("subscriber.event_plane and subscriber.bind are alternatives: give one")
+            bind = plane  # pods are learned from the plane's kv@<pod>@<model> topics, as in bind mode
+        elif bind is not None:
             _endpoint(bind, "subscriber.bind")
         elif not self.pods:
             raise ConfigError("no pods: give [[pods]] (or --pod NAME=ENDPOINT) or subscriber.bind for engines to "

@@ -17,6 +17,7 @@ counted per publisher with the reason, logged once, and shown in ``/v1/pods`` an
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -99,7 +100,14 @@ class Fleet:
             else:
                 self._attr[p.topic or ""] = (p.name, f"kv@{p.name}@{model}")
                 self.pods[p.name].publishers.append(p.topic or "")
-        if sc.bind is None:
+        if sc.event_plane is not None:  # the JetStream event plane: deliveries name their pod
+            from kvevents.transport.nats.source import JetStreamSource
+
+            for p in cfg.pods:
+                self._attr[p.name] = (p.name, f"kv@{p.name}@{cfg.pod_model(p)}")
+            durable = getattr(sc, "replica_name", None) or f"kvrouter-{os.getpid()}"
+            self.sub = JetStreamSource(sc.event_plane, durable=durable, stale_after=sc.stale_after)
+        elif sc.bind is None:
             specs = [PublisherSpec(ep, rep, ident) for p in cfg.pods for ident, ep, rep in p.publishers()]
             self.sub = Subscriber(specs, late_join=sc.late_join, stale_after=sc.stale_after,
                                   replay_timeout=sc.replay_timeout, raw=True)

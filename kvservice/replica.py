@@ -39,9 +39,11 @@ __all__ = ["Replica", "state_digest"]
 
 def state_digest(router) -> str:
     """A digest of the router's whole state (its own ``digest()`` if it has one)."""
-    own = getattr(router, "digest", None)
-    if callable(own):
-        return own()
+    for name in ("state_digest", "digest"):
+        own = getattr(router, name, None)
+        if callable(own):
+            d = own()
+            return d.hex() if isinstance(d, bytes) else str(d)
     if callable(getattr(router, "snapshot", None)):
         return hashlib.sha256(router.snapshot(stream_seq=0)).hexdigest()
     # a router without snapshots: what it shows (entries, pods, counters) — marked as partial
@@ -71,18 +73,17 @@ class Replica:
         self.counters = {"applied": 0, "snapshots_saved": 0, "snapshot_bytes": 0, "snapshot_save_s": 0.0,
                          "snapshots_skipped": 0, "snapshot_errors": 0, "restore_failures": 0, "cold_starts": 0,
                          "restored_seq": 0, "restore_s": 0.0, "purged": 0, "purge_errors": 0, "cover_errors": 0,
-                         "snapshots_unsupported": 0}
+                         "snapshots_unsupported": 0, "restart_rechecks": 0, "purged_before_read": 0}
         self.failures: list[str] = []
         self._lt = LoopThread(f"kvevents-replica-{name}")
         self._upload: Future | None = None
         self.covered = 0
+        self._bad: set[tuple[int, str]] = set()  #: snapshots that did not restore (not tried again)
         self._started = time.monotonic()
         self.ready_after: float | None = None
         try:
             self._lt.call(self._open(url, ttl))
-            start_seq = self._warm_start()
-            self._lt.call(self.store.cover(self.name, start_seq - 1))  # before reading anything
-            self.covered = start_seq - 1
+            start_seq = self._start_point()
             self.source = JetStreamSource(url, durable=f"replica-{name}", stream=self.stream, start_seq=start_seq,
                                           **(source_kw or {}))
         except BaseException:
@@ -98,22 +99,60 @@ class Replica:
         self.store = PlaneStore(self.js, stream=self.stream.name, ttl=ttl, storage=self.stream.storage)
         await self.store.open()
 
-    def _warm_start(self) -> int:
-        """Restore the newest snapshot that restores; returns the stream seq to read from."""
+    def _start_point(self) -> int:
+        """Restore the newest snapshot, publish what it covers, and make sure no purge passed it
+        meanwhile; returns the stream seq to read from.
+
+        A purge never goes past a saved snapshot (a purger's floor is every live replica's cover,
+        and a cover is a saved snapshot). Between choosing a snapshot and publishing our cover,
+        another replica may save a newer one and purge up to it; so after publishing we look
+        again, and if a newer snapshot exists we take that one instead (and look again)."""
+        chosen = -1
+        for _ in range(10):
+            start_seq = self._warm_start(newer_than=chosen)
+            if start_seq is None:  # nothing newer restores: keep what we have
+                break
+            chosen = start_seq - 1
+            self._lt.call(self.store.cover(self.name, chosen))  # before reading anything
+            self.covered = chosen
+            newest = max((seq for seq, obj in self._lt.call(self.store.candidates()) if (seq, obj) not in self._bad),
+                          default=0)
+            if newest <= chosen:
+                break
+            self.counters["restart_rechecks"] += 1
+        first = self._lt.call(self.js.stream_info(self.stream.name)).state.first_seq
+        if first > self.covered + 1:
+            # the stream no longer holds what follows our snapshot: the index will miss those batches
+            self.counters["purged_before_read"] += first - self.covered - 1
+            self.failures.append(f"stream starts at seq {first}, after our snapshot's {self.covered}: "
+                                 f"{first - self.covered - 1} messages are gone")
+        return self.covered + 1
+
+    def _warm_start(self, newer_than: int = -1) -> int | None:
+        """Restore the newest snapshot (newer than ``newer_than``) that restores; the stream seq to
+        read from, 1 for a cold start, or None if nothing newer restored (the current state stays)."""
         t0 = time.perf_counter()
         for seq, obj in self._lt.call(self.store.candidates()):
+            if seq <= newer_than:
+                break
+            if (seq, obj) in self._bad:
+                continue
             try:
                 data = self._lt.call(self.store.load(obj))
-                info = self.router.restore(data)
+                router = self._factory()  # restored aside: a failure leaves the current state alone
+                info = router.restore(data)
             except Exception as exc:  # corrupt, truncated, future version, unreadable: the next one
                 self.counters["restore_failures"] += 1
+                self._bad.add((seq, obj))
                 self.failures.append(f"snapshot {obj!r} (seq {seq}): {exc}")
-                self.router = self._factory()  # whatever a failed restore left behind is dropped
                 continue
+            self.router = router
             covered = int(getattr(info, "stream_seq", None) or 0)
             self.counters["restored_seq"] = covered
             self.counters["restore_s"] = time.perf_counter() - t0
             return covered + 1
+        if newer_than >= 0:
+            return None
         self.counters["cold_starts"] += 1
         return 1
 

@@ -129,7 +129,8 @@ class Bridge:
 
     def _msg(self, pod: _Pod, kind: str, seq: int, body: bytes = b"", topic: str = "", missed: int = 0,
              reason: str = ""):
-        return (pod.subject, body, plane_headers(kind, pod.spec.name, topic, pod.spec.rank, seq, pod.run, missed, reason))
+        return (pod.subject, body, plane_headers(kind, pod.spec.name, topic, pod.spec.rank, seq, pod.run, missed, reason,
+                                                 pod.spec.model))
 
     def _batch(self, pod: _Pod, seq: int, payload: bytes, topic: str, out: list) -> None:
         if not pod.confirmed:

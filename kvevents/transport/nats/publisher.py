@@ -25,6 +25,7 @@ class NatsEventPublisher(EventPublisher):
         self.pod = pod or topic or f"engine-{data_parallel_rank}"
         self.topic = topic
         self.stream = stream or StreamSpec()
+        self.model = model
         self.subject = subject_for(self.stream.prefix, model, self.pod)
         self._enc = BatchEncoder(legacy=legacy)
         self.sender = PlaneSender(endpoint, self.stream, window=window, name="kvevents-nats-pub")
@@ -45,7 +46,8 @@ class NatsEventPublisher(EventPublisher):
             return None
 
     def _headers(self, kind: str, seq: int, missed: int = 0) -> dict[str, str]:
-        return plane_headers(kind, self.pod, self.topic, self.data_parallel_rank, seq, self.run, missed, "overflow")
+        return plane_headers(kind, self.pod, self.topic, self.data_parallel_rank, seq, self.run, missed, "overflow",
+                             self.model)
 
     def publish(self, batch: KVEventBatch) -> None:
         seq = self.seq

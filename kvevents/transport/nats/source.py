@@ -217,13 +217,13 @@ class JetStreamSource:
                 return
             st.run, st.last_seq = m.run, -1  # the new run starts afresh (its early seqs may follow)
             h.resets += 1
-            out.append(Delivery(RESET, m.pod, m.topic, m.seq, None, now))
+            out.append(Delivery(RESET, m.pod, m.router_topic, m.seq, None, now))
             return
         if m.run > st.run:
             if st.run >= 0:  # the run moved on and its RESET is not in what we read
                 self._stats["implied_resets"] += 1
                 h.resets += 1
-                out.append(Delivery(RESET, m.pod, m.topic, m.seq, None, now))
+                out.append(Delivery(RESET, m.pod, m.router_topic, m.seq, None, now))
                 st.last_seq = -1
             else:
                 st.last_seq = m.seq - 1  # first sight of this pod: start where the stream does
@@ -236,7 +236,7 @@ class JetStreamSource:
             h.gaps += 1
             h.unrecoverable += m.missed
             st.last_seq = end
-            out.append(Delivery(GAP, m.pod, m.topic, m.seq, None, now, m.missed, reason=m.reason))
+            out.append(Delivery(GAP, m.pod, m.router_topic, m.seq, None, now, m.missed, reason=m.reason))
             return
         if m.count > 1:
             try:
@@ -261,11 +261,11 @@ class JetStreamSource:
             self._stats["stream_gaps"] += 1
             h.gaps += 1
             h.unrecoverable += seq - st.last_seq - 1
-            out.append(Delivery(GAP, m.pod, m.topic, st.last_seq + 1, None, now, seq - st.last_seq - 1,
+            out.append(Delivery(GAP, m.pod, m.router_topic, st.last_seq + 1, None, now, seq - st.last_seq - 1,
                                 reason="lost"))
         st.last_seq = seq
         h.last_seq = seq
-        out.append(Delivery(BATCH, m.pod, m.topic, seq, None, now, 0, False, "", body))
+        out.append(Delivery(BATCH, m.pod, m.router_topic, seq, None, now, 0, False, "", body))
 
     def __iter__(self):
         while not self._closed:

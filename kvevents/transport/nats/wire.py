@@ -8,6 +8,7 @@ the engine's raw vLLM payload, untouched; its headers say where it came from:
 ``Kv-Kind``     ``batch`` | ``reset`` | ``gap`` (control messages have an empty body)
 ``Kv-Pod``      the pod (engine) name, unsanitised
 ``Kv-Topic``    the engine's ZeroMQ topic
+``Kv-Model``    the model, unsanitised (consumers see ``kv@<pod>@<model>`` where the topic names none)
 ``Kv-Dp-Rank``  the data-parallel rank
 ``Kv-Seq``      batch: the engine seq; reset: the first seq of the new run; gap: the first missing seq
 ``Kv-Run``      the engine run: a counter the plane raises at every RESET of that pod
@@ -31,8 +32,8 @@ from ...errors import ConfigError, DecodeError
 __all__ = ["PlaneMsg", "StreamSpec", "msg_id", "pack", "parse_headers", "plane_headers", "subject_for", "token",
            "unpack"]
 
-KIND, POD, TOPIC, RANK, SEQ, RUN, MISSED, REASON, COUNT = (
-    "Kv-Kind", "Kv-Pod", "Kv-Topic", "Kv-Dp-Rank", "Kv-Seq", "Kv-Run", "Kv-Missed", "Kv-Reason", "Kv-Count")
+KIND, POD, TOPIC, RANK, SEQ, RUN, MISSED, REASON, COUNT, MODEL = (
+    "Kv-Kind", "Kv-Pod", "Kv-Topic", "Kv-Dp-Rank", "Kv-Seq", "Kv-Run", "Kv-Missed", "Kv-Reason", "Kv-Count", "Kv-Model")
 MAX_PACK = 4096
 MSG_ID = "Nats-Msg-Id"
 KINDS = ("batch", "reset", "gap")
@@ -54,9 +55,11 @@ def msg_id(pod: str, run: int, kind: str, seq: int) -> str:
 
 
 def plane_headers(kind: str, pod: str, topic: str, rank: int, seq: int, run: int,
-                  missed: int = 0, reason: str = "") -> dict[str, str]:
+                  missed: int = 0, reason: str = "", model: str = "") -> dict[str, str]:
     h = {KIND: kind, POD: pod, TOPIC: topic, RANK: str(rank), SEQ: str(seq), RUN: str(run),
          MSG_ID: msg_id(pod, run, kind, seq)}
+    if model:
+        h[MODEL] = model
     if kind == "gap":
         h[MISSED] = str(missed)
         h[REASON] = reason or "lost"
@@ -76,6 +79,14 @@ class PlaneMsg:
     missed: int = 0
     reason: str = ""
     count: int = 1  #: batch: how many packed batches the body holds
+    model: str = ""
+
+    @property
+    def router_topic(self) -> str:
+        """The engine's topic if it names pod and model (``kv@<pod>@<model>``), else one built from the headers."""
+        if self.topic.startswith("kv@") or not self.model:
+            return self.topic
+        return f"kv@{self.pod}@{self.model}"
 
 
 def pack(payloads: list[bytes]) -> bytes:
@@ -132,7 +143,7 @@ def parse_headers(headers: dict | None) -> PlaneMsg:
         raise DecodeError(f"event-plane header {COUNT} must be 1..{MAX_PACK}, got {count}")
     return PlaneMsg(kind, pod, headers.get(TOPIC, ""), _int(headers, RANK, 0), _int(headers, SEQ), _int(headers, RUN),
                     _int(headers, MISSED, 0) if kind == "gap" else 0, headers.get(REASON, "") if kind == "gap" else "",
-                    count)
+                    count, headers.get(MODEL, ""))
 
 
 @dataclass(slots=True)

@@ -1,0 +1,386 @@
+"""The event plane, measured: engine -> bridge -> JetStream -> router replica, vs direct ZeroMQ.
+
+    python benchmarks/fleet.py [--quick]
+
+Needs nats-server (Debian's) on PATH or in /usr/sbin; starts its own on a free loopback port
+with file storage in a temporary directory.
+
+1. Throughput: an engine process publishes N batches of E GPU events as fast as it can
+   (ZmqEventPublisher); (a) direct: our raw Subscriber -> KVRouter.apply_payload in this
+   process; (b) plane: a bridge process forwards to the stream, this process reads it through a
+   JetStreamSource -> KVRouter. Rates are events applied / (last apply - first publish), same
+   clock; rounds interleave direct and plane. "Where the time goes": each stage alone on the
+   same batches (bridge into the stream; stream -> source without a router; router apply only).
+2. Lag: the engine paces itself at a target rate; lag = apply time - the batch's ts (peek_ts);
+   p50/p99 for direct and plane in the same run.
+3. Warm restart vs cold for an index of B blocks: cold = a replica reads the whole stream;
+   warm = restore the newest snapshot (when the router has snapshot()/restore()), then read.
+4. Scale-out: S simulated engines (pods) publishing into the stream; one replica's ingest rate
+   and the snapshot's size and save time as S grows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._table import print_table  # noqa: E402
+
+
+def _hash(i: int) -> int:
+    return (i * 0x9E3779B97F4A7C15) & 0x7FFFFFFFFFFFFFFF
+
+
+def payloads(n: int, events: int, start: int = 0, ts: float | None = None) -> list[bytes]:
+    from kvevents import BlockStored, KVEventBatch, encode_batch
+    out = []
+    for i in range(start, start + n):
+        base = i * events
+        evs = [BlockStored([_hash(base + k)], _hash(base + k - 1) if k else None,
+                           list(range((base + k) * 16, (base + k) * 16 + 16)), 16, None, "GPU", None)
+               for k in range(events)]
+        out.append(encode_batch(KVEventBatch(ts if ts is not None else time.time(), evs, 0)))
+    return out
+
+
+# ---- helpers: a nats-server, an engine process, a bridge process ------------------------------
+
+class Server:
+    def __init__(self) -> None:
+        exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
+        if not os.path.exists(exe):
+            sys.exit("benchmarks/fleet.py needs nats-server (apt-get install nats-server)")
+        self.tmp = Path(tempfile.mkdtemp(prefix="kvfleet-"))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([exe, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.tmp / "js")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        end = time.monotonic() + 15
+        while time.monotonic() < end:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("nats-server did not start")
+
+    def reset_stream(self) -> None:
+        import nats
+
+        async def go():
+            nc = await nats.connect(self.url)
+            js = nc.jetstream()
+            for name in ("KVEVENTS",):
+                try:
+                    await js.delete_stream(name)
+                except Exception:
+                    pass
+            for b in ("kvrouter-snapshots", "kvrouter-replicas"):
+                try:
+                    await (js.delete_object_store(b) if "snap" in b else js.delete_key_value(b))
+                except Exception:
+                    pass
+            await nc.close()
+        asyncio.run(go())
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+ENGINE = r"""
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from benchmarks.fleet import payloads
+from kvevents import ZmqEventPublisher, peek_ts
+from kvevents.transport.zmq.publisher import ZmqEventPublisher as _Z
+n, events, rate, ep, rep = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5], sys.argv[6]
+from kvevents import decode_batch
+import msgspec
+pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rep, topic="kv@engine-0@m", buffer_steps=max(n, 1000))
+batches = [decode_batch(p) for p in payloads(n, events)]
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.time()
+for i, b in enumerate(batches):
+    if rate:
+        due = t0 + i * events / rate
+        while time.time() < due:
+            pass
+    b.ts = time.time()
+    pub.publish(b)
+print(f"done {t0}", flush=True)
+sys.stdin.readline()
+pub.shutdown(5)
+"""
+
+
+def _engine(n: int, events: int, rate: float, tmp: Path, tag: str):
+    ep, rep = f"ipc://{tmp}/{tag}.pub", f"ipc://{tmp}/{tag}.rep"
+    p = subprocess.Popen([sys.executable, "-c", ENGINE, str(ROOT), str(n), str(events), str(rate), ep, rep],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p, ep, rep
+
+
+def _bridge_proc(url: str, ep: str, rep: str, tmp: Path, pack: int) -> subprocess.Popen:
+    status = tmp / f"bridge-{time.monotonic_ns()}.json"
+    p = subprocess.Popen([sys.executable, "-m", "kvevents.transport.nats.cli", "bridge", "--nats", url,
+                          "--engine", f"engine-0={ep},{rep},model=m", "--window", "1024", "--status-file", str(status),
+                          "--pack", str(pack)],
+                         cwd=ROOT, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 30
+    while not status.exists() and time.monotonic() < end:
+        time.sleep(0.02)  # the bridge writes its status file once it is connected and subscribed
+    time.sleep(0.3)  # ZeroMQ's slow joiner: its SUB connects before the engine starts
+    return p
+
+
+# ---- 1 and 2: direct vs plane -----------------------------------------------------------------
+
+def run_direct(n: int, events: int, rate: float, tmp: Path) -> tuple[float, list[float]]:
+    from consumers import KVRouter
+    from kvevents import Subscriber, peek_ts
+
+    p, ep, rep = _engine(n, events, rate, tmp, f"d{time.monotonic_ns()}")
+    router = KVRouter(model="m")
+    lags = []
+    with Subscriber([(ep, rep, "engine-0")], raw=True) as sub:
+        time.sleep(0.3)  # ZeroMQ's slow joiner: the SUB connects before the engine starts
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        got = 0
+        end = time.monotonic() + 120
+        while got < n and time.monotonic() < end:
+            for d in sub.poll(50):
+                if d.payload is not None:
+                    router.apply_payload("engine-0", d.payload)
+                    lags.append(time.time() - peek_ts(d.payload))
+                    got += 1
+        t_end = time.time()
+    t0 = float(p.stdout.readline().split()[1])
+    p.stdin.write("bye\n")
+    p.stdin.flush()
+    p.wait(10)
+    return got * events / (t_end - t0), lags
+
+
+def run_plane(n: int, events: int, rate: float, tmp: Path, srv: Server, pack: int = 1) -> tuple[float, list[float], dict]:
+    from consumers import KVRouter
+    from kvevents import peek_ts
+    from kvevents.transport.nats.source import JetStreamSource
+
+    srv.reset_stream()
+    p, ep, rep = _engine(n, events, rate, tmp, f"p{time.monotonic_ns()}")
+    br = _bridge_proc(srv.url, ep, rep, tmp, pack)
+    router = KVRouter(model="m")
+    lags = []
+    with JetStreamSource(srv.url, durable="bench") as src:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        got = 0
+        end = time.monotonic() + 180
+        while got < n and time.monotonic() < end:
+            for d in src.poll(50):
+                if d.payload is not None:
+                    router.apply_payload("engine-0", d.payload)
+                    lags.append(time.time() - peek_ts(d.payload))
+                    got += 1
+        t_end = time.time()
+        stats = src.stats()
+    t0 = float(p.stdout.readline().split()[1])
+    p.stdin.write("bye\n")
+    p.stdin.flush()
+    p.wait(10)
+    br.terminate()
+    br.wait(10)
+    return got * events / (t_end - t0), lags, stats
+
+
+def stage_rates(n: int, events: int, srv: Server) -> list[tuple[str, float]]:
+    """Each stage alone on the same payloads, in events/s."""
+    from consumers import KVRouter
+    from kvevents.transport.nats.sender import PlaneSender
+    from kvevents.transport.nats.source import JetStreamSource
+    from kvevents.transport.nats.wire import plane_headers
+
+    data = payloads(n, events)
+    r = KVRouter(model="m")
+    t = time.perf_counter()
+    for pl in data:
+        r.apply_payload("engine-0", pl)
+    apply_rate = n * events / (time.perf_counter() - t)
+    srv.reset_stream()
+    sender = PlaneSender(srv.url, window=1024)
+    t = time.perf_counter()
+    sender.put_many([("kvevents.m.engine-0", pl, plane_headers("batch", "engine-0", "t", 0, i, 0))
+                     for i, pl in enumerate(data)])
+    sender.flush(120)
+    publish_rate = n * events / (time.perf_counter() - t)
+    sender.close()
+    with JetStreamSource(srv.url, durable="stage") as src:
+        got = 0
+        t = time.perf_counter()
+        while got < n:
+            got += len(src.poll(50))
+        read_rate = n * events / (time.perf_counter() - t)
+    return [("publish into the stream (acked, window 1024)", publish_rate),
+            ("read the stream (JetStreamSource, no router)", read_rate),
+            ("router apply_payload alone", apply_rate)]
+
+
+# ---- 3: warm vs cold restart ------------------------------------------------------------------
+
+def restart(blocks: int, srv: Server) -> list[list]:
+    from consumers import KVRouter
+    from kvevents.transport.nats.sender import PlaneSender
+    from kvevents.transport.nats.source import JetStreamSource
+    from kvevents.transport.nats.wire import plane_headers
+
+    srv.reset_stream()
+    per_event, events = 16, 16  # 16 blocks per BlockStored, 16 events per batch: 256 blocks per message
+    n = blocks // (per_event * events)
+    from kvevents import BlockStored, KVEventBatch, encode_batch
+    sender = PlaneSender(srv.url, window=1024)
+    for i in range(n):
+        evs = []
+        for k in range(events):
+            base = (i * events + k) * per_event
+            evs.append(BlockStored([_hash(base + j) for j in range(per_event)], None,
+                                   list(range(base * 16, (base + per_event) * 16)), 16, None, "GPU", None))
+        sender.put("kvevents.m.engine-0", encode_batch(KVEventBatch(time.time(), evs, 0)),
+                   plane_headers("batch", "engine-0", "t", 0, i, 0))
+    sender.flush(300)
+    sender.close()
+    t = time.perf_counter()
+    cold = KVRouter(model="m")
+    with JetStreamSource(srv.url, durable="cold") as src:
+        while src.position < n:
+            for d in src.poll(50):
+                cold.handle(d)
+    cold_s = time.perf_counter() - t
+    rows = [["cold: read the whole stream", cold.entries(), "-", "-", "-", f"{cold_s:.2f}"]]
+    if not hasattr(cold, "snapshot"):
+        rows.append(["warm: router has no snapshot()/restore() in this build", "-", "-", "-", "-", "-"])
+        return rows
+    t = time.perf_counter()
+    data = cold.snapshot(stream_seq=n)
+    save_s = time.perf_counter() - t
+    t = time.perf_counter()
+    warm = KVRouter(model="m")
+    warm.restore(data)
+    load_s = time.perf_counter() - t
+    with JetStreamSource(srv.url, durable="warm", start_seq=n + 1) as src:
+        src.poll(10)
+    ready_s = time.perf_counter() - t
+    rows.append(["warm: restore the snapshot, read on", warm.entries(), f"{len(data) / max(1, warm.entries()):.1f}",
+                 f"{save_s:.2f}", f"{load_s:.2f}", f"{ready_s:.2f}"])
+    return rows
+
+
+# ---- 4: scale-out -----------------------------------------------------------------------------
+
+def scale(engines: int, batches_per_engine: int, srv: Server) -> list:
+    from consumers import KVRouter
+    from kvevents.transport.nats.sender import PlaneSender
+    from kvevents.transport.nats.source import JetStreamSource
+    from kvevents.transport.nats.wire import plane_headers, subject_for
+
+    srv.reset_stream()
+    events = 16
+    sender = PlaneSender(srv.url, window=1024)
+    items = []
+    for e in range(engines):
+        for i, pl in enumerate(payloads(batches_per_engine, events, start=e * batches_per_engine)):
+            items.append((subject_for("kvevents", "m", f"engine-{e}"), pl,
+                          plane_headers("batch", f"engine-{e}", f"kv@engine-{e}@m", 0, i, 0)))
+    sender.put_many(items)
+    sender.flush(300)
+    sender.close()
+    total = len(items)
+    r = KVRouter(model="m")
+    t = time.perf_counter()
+    with JetStreamSource(srv.url, durable="scale") as src:
+        while src.position < total:
+            for d in src.poll(50):
+                r.handle(d)
+    ingest_s = time.perf_counter() - t
+    snap = ["-", "-"]
+    if hasattr(r, "snapshot"):
+        t = time.perf_counter()
+        data = r.snapshot(stream_seq=total)
+        snap = [len(data), f"{(time.perf_counter() - t) * 1000:.0f}"]
+    return [engines, total, r.entries(), f"{total / ingest_s:,.0f}", f"{total * events / ingest_s:,.0f}", *snap]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    srv = Server()
+    tmp = Path(tempfile.mkdtemp(prefix="kvfleet-ipc-"))
+    try:
+        n = 2000 if args.quick else 10000
+        rounds = 1 if args.quick else 2
+        rows = []
+        for events in (16, 64):
+            d_rates, p_rates = [], {1: [], 32: []}
+            for _ in range(rounds):  # interleaved rounds
+                d_rates.append(run_direct(n, events, 0, tmp)[0])
+                for pack in p_rates:
+                    p_rates[pack].append(run_plane(n, events, 0, tmp, srv, pack)[0])
+            d = statistics.median(d_rates)
+            p1, p32 = statistics.median(p_rates[1]), statistics.median(p_rates[32])
+            rows.append([events, n, f"{d:,.0f}", f"{p1:,.0f}", f"{p1 / d:.2f}", f"{p32:,.0f}", f"{p32 / d:.2f}"])
+        print_table("1. engine -> router, events/s (median of interleaved rounds; plane = bridge process + JetStream "
+                    "+ JetStreamSource -> KVRouter)",
+                    ["events/batch", "batches", "direct ZeroMQ", "plane pack=1", "ratio", "plane pack=32", "ratio"],
+                    rows)
+        print()
+        print_table(f"1b. where the time goes: each stage alone ({n} batches x 16 events)",
+                    ["stage", "events/s"], [[s, f"{r:,.0f}"] for s, r in stage_rates(n, 16, srv)])
+        print()
+        lag_rows = []
+        target = 100_000
+        events = 16
+        nl = int(target / events * (2 if args.quick else 5))
+        _, dl = run_direct(nl, events, target, tmp)
+        _, pl1, _ = run_plane(nl, events, target, tmp, srv, 1)
+        _, pl32, _ = run_plane(nl, events, target, tmp, srv, 32)
+        for name, lags in (("direct ZeroMQ", dl), ("plane pack=1", pl1), ("plane pack=32", pl32)):
+            lags.sort()
+            lag_rows.append([name, len(lags), f"{lags[len(lags) // 2] * 1000:.1f}",
+                             f"{lags[int(len(lags) * 0.99)] * 1000:.1f}", f"{lags[-1] * 1000:.1f}"])
+        print_table(f"2. lag at {target:,} events/s ({events}-event batches): apply time - batch ts, ms",
+                    ["path", "batches", "p50", "p99", "max"], lag_rows)
+        print()
+        blocks = 100_000 if args.quick else 1_000_000
+        print_table(f"3. restart with a {blocks:,}-block index",
+                    ["how", "entries", "snapshot B/entry", "save s", "load s", "ready s"], restart(blocks, srv))
+        print()
+        srows = [scale(e, max(1, (200 if args.quick else 1000) // max(1, e // 10)), srv)
+                 for e in ((10, 100, 1000) if args.quick else (10, 100, 1000))]
+        print_table("4. scale-out: simulated engines -> one replica",
+                    ["engines", "messages", "entries", "msgs/s", "events/s", "snapshot B", "snapshot ms"], srows)
+    finally:
+        srv.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
