@@ -28,7 +28,7 @@ class Endpoint:
     """One engine: a pod's data-parallel rank. Owns one slot (bit lane) in the index."""
 
     __slots__ = ("pod", "rank", "slot", "model", "lmap", "odd", "seed", "block_size", "chunk_keys",
-                 "odd_chunks", "token_tiers", "unreliable")
+                 "odd_chunks", "token_tiers", "unreliable", "tier_bs", "chunk_joined", "chunk_seen")
 
     def __init__(self, pod: str, rank: int, slot: int, model: str, lmap: dict, odd: list) -> None:
         self.pod = pod
@@ -43,6 +43,13 @@ class Endpoint:
         self.odd_chunks: dict[int, dict[object, int]] = {}  #: tier -> chunk hash -> keys, if not the default
         self.token_tiers: set[int] = set()  #: tiers whose stores carried tokens
         self.unreliable = False
+        #: token-carrying tiers whose block size differs from ``block_size`` (the GPU's): vLLM
+        #: 0.33's self-describing offload stores carry their chunk's tokens and block size
+        self.tier_bs: dict[int, int] = {}
+        #: tier -> chunk hashes joined while the inferred extent (> 1 key) may still shrink
+        #: (bounded): a re-derived, smaller extent takes their extra keys back out of the index
+        self.chunk_joined: dict[int, dict[object, None]] = {}
+        self.chunk_seen: dict[int, int] = {}  #: tier -> offload joins seen (depth evidence is sampled)
 
     def __repr__(self) -> str:
         return f"Endpoint({self.pod!r}, rank={self.rank}, slot={self.slot}, model={self.model!r})"

@@ -23,6 +23,13 @@ from .router_config import RouterConfig, RouterInputError, RouterStats
 
 __all__ = ["Ingestor"]
 
+#: offload joins per (endpoint, tier) whose chain depth is always checked; after that, one in this many
+_DEPTH_ALWAYS = 64
+#: a depth walk longer than this gives no evidence (the chain root is too far to count)
+_DEPTH_LIMIT = 1 << 15
+#: chunk hashes remembered per (endpoint, tier) while an inferred extent may still shrink
+_PROVISIONAL_CAP = 4096
+
 
 def _lora(ev: BlockStored) -> str | None:
     if ev.lora_name is not None:
@@ -87,6 +94,7 @@ class Ingestor:
         self._index.clear_slot(ep.slot)
         self._drop_pending_of(ep.slot)
         ep.odd_chunks.clear()
+        ep.chunk_joined.clear()
         if ep.unreliable:
             ep.unreliable = False
             self.eps.gen += 1
@@ -99,10 +107,11 @@ class Ingestor:
         if strict:
             raise RouterInputError(msg)
 
-    def _block_keys(self, ep: Endpoint, v: object) -> tuple[int | None, int]:
-        """(last complete key, keys completed) of an engine block's learned value."""
+    def _block_keys(self, ep: Endpoint, v: object, bs: int = 0) -> tuple[int | None, int]:
+        """(last complete key, keys completed) of an engine block's learned value (``bs``: the
+        block size of the tier the hash was stored in, when it is not the endpoint's)."""
         if type(v) is int:
-            return v, (ep.block_size // self._bs) or 1  # type: ignore[return-value]
+            return v, ((bs or ep.block_size) // self._bs) or 1  # type: ignore[return-value]
         k, _tail, n = v  # type: ignore[misc]
         return (k if n else None), n
 
@@ -151,7 +160,7 @@ class Ingestor:
                     if ck != 1 and len(hashes) > 1:
                         self._infer_chunk(ep, tier, hashes)
                         ck = ep.chunk_keys.get(tier)
-                    one = ck is None or ck == 1
+                    one = ck == 1  # (unknown: _join infers it from the chain depth)
                 else:
                     one = configured == 1
                 if one and ep.block_size == C and not odd[0]:
@@ -190,8 +199,12 @@ class Ingestor:
             if pv is None:
                 self._stats.orphan_blocks += n
                 return
-        if ep.block_size != E:
-            ep.block_size = E
+        if tier == 0 or not ep.block_size:  # the GPU's block size is the endpoint's
+            if ep.block_size != E:
+                ep.block_size = E
+        elif E != ep.block_size and ep.tier_bs.get(tier) != E:
+            ep.tier_bs[tier] = E  # a self-describing offload store: its chunk's extent, exactly
+            self.eps.touch += 1
         if tier not in ep.token_tiers:
             ep.token_tiers.add(tier)
         if E % C == 0 and type(pv) is int:
@@ -271,7 +284,60 @@ class Ingestor:
                 if g == 1:
                     break
         if g:
-            ep.chunk_keys[tier] = g
+            self._set_extent(ep, tier, g)
+
+    def _depth_evidence(self, ep: Endpoint, tier: int, k: int) -> None:
+        """A chunk of m keys ends at a chain depth (keys from the root) that is a multiple of
+        m: the depth of a joined chunk's last key bounds the extent from above. Checked for the
+        first joins of a tier, then sampled. A walk that does not end at a key the index holds
+        without a parent (the parent was evicted) is no evidence."""
+        seen = ep.chunk_seen.get(tier, 0) + 1
+        ep.chunk_seen[tier] = seen
+        if (seen > _DEPTH_ALWAYS and seen % _DEPTH_ALWAYS) or ep.odd[0]:
+            return
+        index = self._index
+        path = index.walk_back(k, _DEPTH_LIMIT)
+        if len(path) >= _DEPTH_LIMIT or index.mask(path[0]) is None:
+            return
+        if len(path) > 1 or index.walk_back(path[0], 2) == path:  # (a root: nothing above it)
+            self._set_extent(ep, tier, len(path))
+
+    def _set_extent(self, ep: Endpoint, tier: int, g: int) -> None:
+        """Fold evidence ``g`` (a multiple of the chunk extent, in keys) into the tier's estimate.
+        The estimate only shrinks; when it does, chunks joined with the larger extent give
+        their extra keys back (the score may under-report, never over-report)."""
+        cur = ep.chunk_keys.get(tier)
+        new = g if cur is None else gcd(cur, g)
+        if new == cur:
+            return
+        ep.chunk_keys[tier] = new
+        self.eps.touch += 1  # the C path's context says how this tier joins
+        if cur is None:
+            self._stats.chunk_inferred += 1
+            return
+        self._stats.chunk_rederived += 1
+        joined = ep.chunk_joined.pop(tier, None)
+        if not joined:
+            return
+        index = self._index
+        odd = ep.odd_chunks.get(tier) or {}
+        keep: set = set()
+        drop: set = set()
+        for h in joined:
+            v = ep.lmap.get(h)
+            if v is None or h in odd:
+                continue
+            k, _n = self._block_keys(ep, v)
+            if k is None:
+                continue
+            old = index.walk_back(k, cur)
+            keep.update(old[-new:])
+            drop.update(old)
+        drop -= keep
+        if drop:
+            index.remove(list(drop), 1 << (tier * index.cap + ep.slot))
+        if new > 1:
+            ep.chunk_joined[tier] = joined
 
     def _chunk_default(self, ep: Endpoint, tier: int, n: int) -> int:
         configured = self._cfg.offload_chunk_blocks.get(self._tier_names[tier])
@@ -285,10 +351,19 @@ class Ingestor:
         if k is None:
             return
         index = self._index
+        inferred = self._cfg.offload_chunk_blocks.get(self._tier_names[tier]) is None
+        if inferred and ep.chunk_keys.get(tier) != 1:
+            self._depth_evidence(ep, tier, k)
         default = self._chunk_default(ep, tier, n)
         keys = [k] if default == 1 else index.walk_back(k, default)
         if len(keys) != default:
             ep.odd_chunks.setdefault(tier, {})[h] = len(keys)
+        elif inferred and default > 1:
+            joined = ep.chunk_joined.get(tier)
+            if joined is None:
+                joined = ep.chunk_joined[tier] = {}
+            if len(joined) < _PROVISIONAL_CAP:
+                joined[h] = None
         index.add(keys, 1 << (tier * index.cap + ep.slot))
 
     # --- pending offload events -----------------------------------------------------------
@@ -371,9 +446,12 @@ class Ingestor:
                 self._stats.remove_unknown += 1
                 continue
             self._stats.blocks_removed += 1
-            k, n = self._block_keys(ep, v)
+            k, n = self._block_keys(ep, v, ep.tier_bs.get(tier, 0))
             if k is None:
                 continue
+            joined = ep.chunk_joined.get(tier)
+            if joined:
+                joined.pop(h, None)
             if token_tier:
                 keys = [k] if n == 1 else index.walk_back(k, n)
             else:

@@ -137,9 +137,12 @@ class NativeIngestor(Ingestor):
 
     @staticmethod
     def _token_mask(ep) -> int:
+        """Token tiers whose blocks are the endpoint's block size (a tier of self-describing
+        offload chunks of another size is left to Python)."""
         m = 0
         for t in ep.token_tiers:
-            m |= 1 << t
+            if t not in ep.tier_bs:
+                m |= 1 << t
         return m
 
     def _context(self, pod: str, rank: int, model: str | None) -> tuple:
@@ -162,10 +165,10 @@ class NativeIngestor(Ingestor):
             if conf is not None:
                 store_chunk.append(0 if conf == 1 else 2)
                 default = conf
-            else:
-                store_chunk.append(0 if ck == 1 else 1 if ck is None else 2)
+            else:  # (unknown: Python infers it from the first join's chain depth)
+                store_chunk.append(0 if ck == 1 else 2)
                 default = 1 if ck is None else ck
-            remove_one.append(default == 1 and not ep.odd_chunks.get(t))
+            remove_one.append(default == 1 and not ep.odd_chunks.get(t) and t not in ep.tier_bs)
         return (self.eps.touch, ep.lmap, index.masks, ep.seed, self._bs, ep.odd, ep.block_size,
                 self._token_mask(ep), names, tuple(bits), tuple(store_chunk), tuple(remove_one), index.max_entries,
                 index.low_water)

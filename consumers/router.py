@@ -102,7 +102,9 @@ class KVRouter:
             self._ingest.clear_endpoint(ep)
             # the engine block size is configuration, not state: a restarted engine keeps it
             ep.chunk_keys.clear()
+            ep.chunk_seen.clear()
             ep.token_tiers.clear()
+            ep.tier_bs.clear()
 
     def remove_pod(self, pod: str) -> None:
         """The pod left the configuration: purge it."""
@@ -195,6 +197,18 @@ class KVRouter:
             self.scorer = old
 
     # --- introspection ----------------------------------------------------------------------------
+    def chunk_extents(self) -> dict[str, dict[str, int]]:
+        """Per pod and offload tier, the keys (canonical blocks) per offloaded chunk the joins
+        use: inferred from the stream unless ``offload_chunk_blocks`` configures the tier (the
+        smallest over the pod's ranks)."""
+        out: dict[str, dict[str, int]] = {}
+        names = self._eps.tier_names
+        for ep in self._eps:
+            d = out.setdefault(ep.pod, {})
+            for t, n in ep.chunk_keys.items():
+                d[names[t]] = min(n, d.get(names[t], n))
+        return out
+
     def entries(self) -> int:
         """Indexed (key, endpoint, tier) entries."""
         return self._index.entries  # type: ignore[attr-defined]

@@ -114,6 +114,8 @@ class RouterStats:
     pending_expired: int = 0
     pending_dropped: int = 0  #: pushed out by pending_capacity
     pending_cancelled: int = 0  #: removed or cleared before they could be joined
+    chunk_inferred: int = 0  #: offload chunk extents inferred per (endpoint, tier), from no evidence to some
+    chunk_rederived: int = 0  #: inferred extents re-derived smaller because new evidence contradicted them
     pods_refused: int = 0  #: deliveries/batches refused: one pod past max_pods, or a pod claim a pin forbids
     lookups: int = 0  #: score() calls (pick() included)
     prompt_tokens: int = 0  #: tokens of the scored prompts

@@ -56,6 +56,12 @@ class SnapshotInfo:
     nbytes: int
 
 
+def _join_state(ep) -> list:
+    """What the offload join inferred for an endpoint (consumers/ingest.py)."""
+    return [sorted(ep.tier_bs.items()), [[t, list(d)] for t, d in sorted(ep.chunk_joined.items())],
+            sorted(ep.chunk_seen.items())]
+
+
 class _Body(msgspec.Struct, array_like=True):
     stream_seq: int | None
     block_size: int
@@ -68,7 +74,9 @@ class _Body(msgspec.Struct, array_like=True):
     parents: bytes  #: u64 LE per key (2**64 - 1: none)
     learned: list  #: [model, odd, keys, values] per model (values: int or [key, tail, n])
     learned_counts: list[int]  #: size, evicted
-    endpoints: list  #: [pod, rank, slot, model, block_size, chunk_keys, odd_chunks, token_tiers, unreliable]
+    #: [pod, rank, slot, model, block_size, chunk_keys, odd_chunks, token_tiers, unreliable,
+    #:  [tier_bs, chunk_joined, chunk_seen]] (the last element is absent in snapshots made before it)
+    endpoints: list
     free_slots: list[int]
     next_slot: int
     pod_model: dict[str, str]
@@ -118,7 +126,7 @@ def _body(router: KVRouter, stream_seq: int | None) -> _Body:
         lmaps.append([model, bool(learned.odd[model][0]), ks, vs])
     ep_rows = [[ep.pod, ep.rank, ep.slot, ep.model, ep.block_size, sorted(ep.chunk_keys.items()),
                 [[t, list(d.items())] for t, d in sorted(ep.odd_chunks.items())], sorted(ep.token_tiers),
-                ep.unreliable] for ep in eps]
+                ep.unreliable, _join_state(ep)] for ep in eps]
     pending = [[h, slot, tier, at] for (h, slot, tier), at in router.ingestor.pending.items()]
     return _Body(stream_seq, cfg.block_size, idx.max_tiers, idx.cap, list(eps.tier_names), _u64le(keys), words,
                  bytes(masks), _u64le(parents), lmaps, [learned.size, learned.evicted], ep_rows,
@@ -199,8 +207,13 @@ def load_into(router: KVRouter, data: bytes) -> SnapshotInfo:
         learned.size, learned.evicted = b.learned_counts
         from .endpoints import Endpoint
 
-        for pod, rank, slot, model, bsz, chunk, odd_chunks, token_tiers, unreliable in b.endpoints:
+        for pod, rank, slot, model, bsz, chunk, odd_chunks, token_tiers, unreliable, *join in b.endpoints:
             ep = Endpoint(pod, rank, slot, model, learned.for_model(model), learned.odd[model])
+            if join:
+                tier_bs, joined, seen = join[0]
+                ep.tier_bs = {t: n for t, n in tier_bs}
+                ep.chunk_joined = {t: dict.fromkeys(hs) for t, hs in joined}
+                ep.chunk_seen = {t: n for t, n in seen}
             ep.block_size = bsz
             ep.chunk_keys = {t: n for t, n in chunk}
             ep.odd_chunks = {t: {h: n for h, n in d} for t, d in odd_chunks}
@@ -264,7 +277,9 @@ def state_digest(router: KVRouter) -> str:
                                for hh, slot, t in router.ingestor.pending)))
     h.update(enc.encode(sorted([ep.pod, ep.rank, ep.model, ep.block_size, sorted(ep.chunk_keys.items()),
                                 sorted([t, sorted(d.items(), key=repr)] for t, d in ep.odd_chunks.items()),
-                                sorted(ep.token_tiers), ep.unreliable] for ep in eps)))
+                                sorted(ep.token_tiers), ep.unreliable, sorted(ep.tier_bs.items()),
+                                sorted([t, sorted(d, key=repr)] for t, d in ep.chunk_joined.items() if d)]
+                               for ep in eps)))
     h.update(enc.encode([tiers, sorted(eps.pod_model.items()), sorted(eps.pub_pod.items()),
                          sorted(eps.health.items())]))
     return h.hexdigest()

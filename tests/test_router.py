@@ -76,13 +76,16 @@ def test_join_chunk_factor_configured():
     assert tiers(r, 8) == {"CPU": 128}
 
 
-def test_single_chunk_without_evidence_is_conservative():
+def test_single_chunk_extent_from_its_chain_depth():
+    # (issue 13: this used to score nothing without offload_chunk_blocks) a lone chunk hash at
+    # depth 2 bounds the extent by 2 keys: both blocks are in the CPU tier
     r = router()
     h = chain(r, "a", 4)
-    r.apply("a", batch(off([h[1]], "CPU"), rm(h, "GPU")))  # factor unknown: only the named block
+    r.apply("a", batch(off([h[1]], "CPU"), rm(h, "GPU")))
     s = r.explain(toks(0, 4))["a"][0]
-    assert s.matched_tokens == 0 and s.alone["CPU"] == 0
-    assert "block 0" in s.reason
+    assert s.matched_tokens == 32 and s.alone["CPU"] == 32
+    assert "block 2" in s.reason
+    assert r.stats.chunk_inferred == 1
 
 
 def test_gpu_cpu_storage_continuation_and_no_way_back_up():
