@@ -14,9 +14,9 @@ locks, the start-up scan). The 256 fan-out directories are created once, at star
   (``fdatasync``) and the directory entries (``fsync`` of each fan-out directory touched, once
   per task) are on stable storage (survives power loss).
 * Loads and stores have their own thread pools (``load_threads``, ``store_threads``): a load
-  never waits behind queued stores. A load job is split into up to one task per load thread
-  (its latency is the request's); a store job is one task (its events stay in key order),
-  several store jobs run at once.
+  never waits behind queued stores. A job is split into up to one task per thread of its
+  pool (a disk needs queue depth). A store job's blocks become loadable and are announced
+  together, in key order, when its last task is done.
 * Store backpressure: the tiering manager asks :meth:`admit_store` before submitting; the
   default policy skips a job while ``max_store_backlog_blocks`` blocks are queued (counted
   in ``stores_skipped`` / ``blocks_skipped``).
@@ -53,12 +53,13 @@ _MAX_ANSWERS = 65536  # bound on asynchronous lookup answers held for the next s
 
 
 class _JobState:
-    __slots__ = ("job", "tasks_left", "ok")
+    __slots__ = ("job", "tasks_left", "ok", "parts")
 
     def __init__(self, job: JobMetadata, tasks: int) -> None:
         self.job = job
         self.tasks_left = tasks
         self.ok = True
+        self.parts: dict[int, list[OffloadKey]] = {}  # store: first index of a task -> keys it wrote
 
 
 class FileSystemSecondaryTierManager(SecondaryTierManager):
@@ -251,7 +252,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
     def submit_store(self, job: JobMetadata) -> None:
         with self._lock:
             self._backlog += len(job.keys)
-        self._submit(self._stores, 1, self._store_task, job)  # one task: events in key order
+        self._submit(self._stores, self.store_threads, self._store_task, job)
 
     def submit_load(self, job: JobMetadata) -> None:
         with self._lock:
@@ -273,16 +274,33 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         for lo, hi in spans:
             pool.submit(fn, state, lo, hi)
 
-    def _task_done(self, state: _JobState, ok: bool, store_blocks: int = 0) -> None:
+    def _task_done(self, state: _JobState, ok: bool, store_blocks: int = 0, loaded: int = 0) -> None:
         with self._lock:
             self._backlog -= store_blocks
+            self.loads += loaded
             if not ok:
                 state.ok = False
             state.tasks_left -= 1
-            if state.tasks_left == 0:
+            last = state.tasks_left == 0
+            if last and state.parts:
+                self._commit([k for lo in sorted(state.parts) for k in state.parts[lo]])
+        self._flush_deletes()  # (before the result: a finished job's evictions are gone from disk)
+        if last:
+            with self._lock:
                 self._in_flight -= 1
                 self._finish(state)
                 self._lock.notify_all()
+
+    def _commit(self, keys: list[OffloadKey]) -> None:
+        """(Lock held.) A store job's written blocks become loadable and are announced, in
+        the job's key order, when its last task is done."""
+        self._writing.difference_update(keys)
+        new = [k for k in keys if k not in self._index]  # (a lookup probe may have been first)
+        for key in keys:
+            self._index[key] = None
+        self.stores += len(keys)
+        self._emit(new, removed=False)
+        self._evict_over_capacity()
 
     def _finish(self, state: _JobState, fail: bool = False, blocks: int = 0) -> None:
         """(Lock held.) The job's one result."""
@@ -331,12 +349,14 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         dirs: set[str] = set()
         durable = True
         try:
-            block_ids = job.block_ids[lo:hi].tolist()
-            for key, block_id in zip(job.keys[lo:hi], block_ids):
-                with self._lock:
+            todo = []
+            with self._lock:  # claim the task's keys at once (one lock round, not one per block)
+                for key, block_id in zip(job.keys[lo:hi], job.block_ids[lo:hi].tolist()):
                     if key in self._index or key in self._writing or key in self._deleting:
                         continue  # stored, being stored, or its old file not yet unlinked
                     self._writing.add(key)
+                    todo.append((key, block_id))
+            for key, block_id in todo:
                 try:
                     payload = io.read_block(block_id) if io is not None else b""
                     path = self._file(key)
@@ -365,22 +385,16 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                 self.store_errors += 1
         finally:
             with self._lock:
-                self._writing.difference_update(written)
                 if durable:
-                    new = [k for k in written if k not in self._index]  # (a lookup probe may have been first)
-                    for key in written:
-                        self._index[key] = None
-                    self.stores += len(written)
-                    self._emit(new, removed=False)
-                    self._evict_over_capacity()
+                    state.parts[lo] = written  # committed with the job's other tasks
                 else:
+                    self._writing.difference_update(written)
                     for key in written:  # not known durable: not claimed
                         self._delete_file(key)
-            self._flush_deletes()
             self._task_done(state, ok, hi - lo)
 
     def _load_task(self, state: _JobState, lo: int, hi: int) -> None:
-        job, ok = state.job, True
+        job, ok, done = state.job, True, 0
         io, bufs = self.block_io, self._bufs
         try:
             nbytes = io.block_nbytes if io is not None else None
@@ -391,10 +405,10 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                 if not self._load_one(key, int(block_id), nbytes, bufs):
                     ok = False
                     break
+                done += 1
         except Exception:
             ok = False
-        self._flush_deletes()
-        self._task_done(state, ok)
+        self._task_done(state, ok, loaded=done)
 
     def _load_one(self, key: OffloadKey, block_id: int, nbytes: int | None, bufs: fs_io.IOBuffers) -> bool:
         io = self.block_io
@@ -420,8 +434,6 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
             return False
         except OSError:
             return False
-        with self._lock:
-            self.loads += 1
         return True
 
     # -- results and shutdown --------------------------------------------------------
