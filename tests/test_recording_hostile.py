@@ -225,3 +225,21 @@ def test_invalid_utf8_in_a_record_or_the_header_is_damage_not_a_crash(tmp_path):
     head.write_bytes(recording._HEAD.pack(MAGIC, 1, len(meta)) + meta + recording._U32.pack(zlib.crc32(meta)))
     with pytest.raises(NotARecordingError, match="metadata is not a map"):
         RecordingReader(head)
+
+
+def test_publish_raw_refuses_the_seq_that_reads_as_the_replay_end_marker():
+    """On the replay socket a batch with seq 2**64 - 1 is indistinguishable from the end marker
+    (-1 as 8 signed bytes): a subscriber would stop reading the answer there."""
+    from kvevents.transport.zmq.frames import END_SEQ, pack_seq
+    from kvevents.transport.zmq.publisher import ZmqEventPublisher
+
+    from .pubsub_helpers import ipc_pair
+
+    assert pack_seq((1 << 64) - 1) == END_SEQ
+    pub = ZmqEventPublisher(*ipc_pair())
+    try:
+        with pytest.raises(ValueError, match="end marker"):
+            pub.publish_raw(b"x", seq=(1 << 64) - 1)
+        pub.publish_raw(b"x", seq=(1 << 64) - 2)  # the largest seq a batch can have
+    finally:
+        pub.shutdown()

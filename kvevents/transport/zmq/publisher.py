@@ -198,8 +198,8 @@ class ZmqEventPublisher(EventPublisher):
         """
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"publish_raw() expects bytes, got {type(payload).__name__}")
-        if seq is not None and not 0 <= seq < 1 << 64:
-            raise ValueError(f"seq must be an unsigned 64-bit int, got {seq!r}")
+        if seq is not None and not 0 <= seq < (1 << 64) - 1:  # 2**64 - 1 is the replay end marker's frame
+            raise ValueError(f"seq must be an unsigned 64-bit int below 2**64 - 1 (the replay end marker), got {seq!r}")
         self._enqueue(bytes(payload), seq, None if topic is None else topic.encode())
 
     def _enqueue(self, item, seq: int | None, topic: bytes | None) -> None:
