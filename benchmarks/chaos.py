@@ -15,6 +15,7 @@ Sections (each row says what was done and what came of it):
   attack, the publisher's RSS peak, ``publish()`` p99, batches published / delivered / reported
   lost (GAP) / silently lost (neither).
 * kill -9: a publisher process killed at random points and restarted (RESETs detected, splices);
+  a late-joining subscriber process killed and restarted (in order, no silent loss, no splice);
   a recorder killed and restarted with ``--append`` (file readable, bad records).
 """
 
@@ -269,6 +270,15 @@ def kill_publisher_row(rounds: int, seed: int) -> list:
             f"{'met' if ok else 'NOT MET (issue 10 item 2)'}"]
 
 
+def kill_subscriber_row(rounds: int, seed: int) -> list:
+    from tests.chaos.kill9 import kill_subscriber_rounds
+
+    r = kill_subscriber_rounds(rounds, random.Random(seed))
+    ok = not (r["disorder"] or r["silent"] or r["splices"])
+    return ["kill -9: late-joining subscriber, restarted", r["restarts"], 0, 0, "-", "-", "-", r["batches"], r["lost"],
+            r["silent"], "-", f"out of order {r['disorder']}, splices {r['splices']}; {'met' if ok else 'NOT MET'}"]
+
+
 def kill_recorder_row(rounds: int, seed: int) -> list:
     from kvevents.recording import RecordingReader
     from tests.chaos.kill9 import start_publisher
@@ -318,6 +328,7 @@ def main() -> None:
             print(f"  {kind} done, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     if "kill" not in args.skip:
         rows.append(kill_publisher_row(5 if args.quick else 100, args.seed))
+        rows.append(kill_subscriber_row(3 if args.quick else 30, args.seed))
         rows.append(kill_recorder_row(3 if args.quick else 20, args.seed))
     fuzz_total = sum(r[1] for r in rows if r[0].startswith("fuzz"))
     print_table(f"Chaos suite ({'quick' if args.quick else 'full'} run, {time.monotonic() - t0:.0f} s; "

@@ -84,3 +84,56 @@ def kill_restart_rounds(rounds: int, rnd: random.Random, *, sub_timeout: float =
     return result
 
 
+
+
+SUBSCRIBER = """
+import sys
+from kvevents import DeliveryKind, Subscriber
+sub = Subscriber([(sys.argv[1], sys.argv[2])], late_join=True)
+print("ready", flush=True)
+while True:
+    for d in sub.poll(50):
+        if d.kind is DeliveryKind.BATCH:
+            print("B", d.seq, int(d.batch.ts) // 1_000_000, flush=True)
+        else:
+            print(d.kind.value[0].upper(), d.seq, d.missed, flush=True)
+"""
+
+
+def kill_subscriber_rounds(rounds: int, rnd: random.Random, *, timeout: float = 30.0) -> dict[str, int]:
+    """A late-joining subscriber process killed -9 at random points and started again, while one
+    publisher runs on: each new subscriber must deliver the stream from the ring's start, in order,
+    with every seq either a batch or inside a reported GAP (correct continuation, no silent loss)."""
+    pub_ep, rep_ep = ipc_pair()
+    pub = start_publisher(pub_ep, rep_ep, 1)
+    out = {"restarts": 0, "batches": 0, "lost": 0, "disorder": 0, "silent": 0, "splices": 0}
+    try:
+        for _ in range(rounds):
+            sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, pub_ep, rep_ep], cwd=ROOT,
+                                   stdout=subprocess.PIPE, text=True)
+            assert sub.stdout.readline().strip() == "ready"
+            want = rnd.randrange(5, 200)
+            expected = None
+            end = time.monotonic() + timeout
+            got = 0
+            while got < want and time.monotonic() < end:
+                kind, a, b = sub.stdout.readline().split()
+                seq = int(a)
+                if kind == "B":
+                    got += 1
+                    out["batches"] += 1
+                    if int(b) != 1:
+                        out["splices"] += 1
+                    if expected is not None and seq != expected:
+                        out["disorder" if seq < expected else "silent"] += 1
+                    expected = seq + 1
+                elif kind == "G":
+                    out["lost"] += int(b)
+                    expected = seq + int(b)
+            sub.send_signal(signal.SIGKILL)
+            sub.wait()
+            out["restarts"] += 1
+    finally:
+        pub.kill()
+        pub.wait()
+    return out

@@ -54,3 +54,11 @@ def test_kill_9_of_the_recorder_leaves_a_readable_prefix(tmp_path):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_kill_9_of_a_late_joining_subscriber_continues_correctly():
+    from .kill9 import kill_subscriber_rounds
+
+    r = kill_subscriber_rounds(3, random.Random(99))
+    assert r["restarts"] == 3 and r["batches"] >= 15
+    assert (r["disorder"], r["silent"], r["splices"]) == (0, 0, 0), r
