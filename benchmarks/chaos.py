@@ -237,6 +237,7 @@ def attack_row(kind: str, seconds: float, rate: float) -> list:
     pub.shutdown()
     lat.sort()
     p99 = lat[int(len(lat) * 0.99)] / 1000
+    p50 = lat[len(lat) // 2] / 1000
     seen = set(result["seen"])
     delivered = len(seen & set(range(n)))
     silent = n - delivered - result["lost"]
@@ -244,6 +245,7 @@ def attack_row(kind: str, seconds: float, rate: float) -> list:
     grew = peak - base
     return [f"attack: {kind}", n, 0, 0, f"{grew / 2**20:.1f}", f"{p99:.1f}", n, delivered, result["lost"],
             max(0, silent), "-",
+            f"publish p50 {p50:.1f} us; "
             f"RSS bound ring {ring / 2**20:.1f} MiB + {RSS_BUDGET >> 20} MiB: {'met' if grew <= ring + RSS_BUDGET else 'NOT MET'}; "
             f"replay served {st['replay_batches_served']:,}, malformed {st['replay_malformed']:,}, "
             f"aborted {st['replay_aborted']:,}"]
