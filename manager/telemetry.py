@@ -309,9 +309,18 @@ def observe_manager(mgr: Any, tier_names: list[str] | None = None, meter: Meter 
     obs.add(meter, "kvevents.manager.lookups.pending", lambda: tier_counter("lookups_pending", lambda p: None))
     obs.add(meter, "kvevents.manager.store.backlog",
             lambda: [(t.store_backlog(), A[n]) for t, n in zip(tiers, names[1:]) if hasattr(t, "store_backlog")])
+    ea = {"engine": engine}
     if connector is not None:
-        ea = {"engine": engine}
         obs.add(meter, "kvevents.manager.steps", lambda: [(connector.steps, ea)])
+    ignored_from = [c.stats for c in (connector, mgr) if c is not None and hasattr(c, "stats")]
+    reasons = {"repeat": "finish_repeats", "unknown": "finish_unknown"}
+    RA = {r: {"engine": engine, "reason": r} for r in reasons}
+
+    def ignored():
+        stats = [f() for f in ignored_from]
+        return [(sum(st.get(key, 0) for st in stats), RA[r]) for r, key in reasons.items()]
+
+    obs.add(meter, "kvevents.manager.requests.ignored", ignored)
 
     def stop():
         for p in probes:

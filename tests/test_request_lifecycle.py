@@ -133,3 +133,31 @@ def test_connector_repeat_before_release_and_strict_mode() -> None:
         c.request_finished("r")
     with pytest.raises(RequestLifecycleError, match="never announced"):
         c.request_finished("q")
+
+
+def test_ignored_finishes_show_up_as_a_metric() -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from manager import CPUOffloadingSpec
+    from manager.engine_sim import SimEngine
+    from manager.telemetry import observe_engine
+
+    e = SimEngine(CPUOffloadingSpec(8, secondary_tiers=[{"type": "example"}]), None, gpu_blocks=8, block_size=4,
+                  use_torch=False)
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    obs = observe_engine(e, provider.get_meter("t"), name="e0")
+    try:
+        e.connector.request_finished("ghost")  # unknown to the connector
+        e.manager.on_new_request(ReqContext("m"))
+        e.manager.on_request_finished(ReqContext("m"))
+        e.manager.on_request_finished(ReqContext("m"))  # a repeat the tiering manager itself ignores
+        points = {p.attributes["reason"]: p.value for rm in reader.get_metrics_data().resource_metrics
+                  for sm in rm.scope_metrics for m in sm.metrics if m.name == "kvevents.manager.requests.ignored"
+                  for p in m.data.data_points}
+        assert points == {"repeat": 1, "unknown": 1}
+    finally:
+        obs.close()
+        provider.shutdown()
+        e.shutdown()

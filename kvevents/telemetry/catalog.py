@@ -162,6 +162,11 @@ CATALOG: tuple[MetricSpec, ...] = (
        _MTD, "manager", "transfer-job hook", "kvevents_manager_job_duration_seconds", LATENCY_BUCKETS),
     _m("kvevents.manager.steps", COUNTER, "{step}", "Scheduler steps (on_schedule_end calls).",
        ("engine",), "manager", "connector.steps", "kvevents_manager_steps_total"),
+    _m("kvevents.manager.requests.ignored", COUNTER, "{request}",
+       "Request finishes ignored: reason repeat (finished twice) or unknown (never announced).",
+       ("engine", "reason"), "manager",
+       "stats()['finish_repeats'|'finish_unknown'] of the connector plus the tiering manager",
+       "kvevents_manager_requests_ignored_total"),
     # ---- simulated engine (manager.engine_sim.SimEngine.stats()) ------------------------------
     _m("kvevents.engine.tokens", COUNTER, "{token}",
        "Prompt tokens by how they were served: computed, gpu_hit, offload_hit.",
