@@ -1,6 +1,11 @@
 """The router's block index: which (endpoint, tier) slots hold each prefix key.
 
-Compact by design (no object per entry):
+:class:`Index` is the role (what the ingestor, the scorer, snapshots and telemetry use);
+backends register in :data:`INDEX_BACKENDS` and are chosen by ``RouterConfig.index``:
+``"python"`` (:class:`BlockIndex`, below) and ``"native"``
+(:class:`consumers.nativeindex.NativeBlockIndex`, the same logic over a C table).
+
+The Python backend is compact by design (no object per entry):
 
 * ``masks``: ``dict[key, int]``: one bitmask per request key; bit ``tier * cap + slot``
   says "endpoint ``slot`` holds this prefix in tier ``tier``". Tier-major layout keeps the
@@ -10,8 +15,6 @@ Compact by design (no object per entry):
   The dict's insertion order is the LRU order: storing a key moves it to the end.
 * ``parents``: ``dict[key, parent_key]`` so an offloaded chunk (named by its last block)
   can be walked back to the blocks it spans.
-* ``LearnedMap``: per model, engine block hash -> the router key of that block (an int), or
-  ``(key, tail_tokens, n_keys)`` when the engine block does not end on a canonical boundary.
 
 Updates are plain loops: for an event's few keys, C-level ``map``/``dict.update`` passes
 were measured slower (2.3 us vs 0.75 us for 4 keys). Moving keys to the end leaves deleted slots behind, and a

@@ -387,3 +387,31 @@ def test_mutated_payloads_are_read_as_the_python_decoder_reads_them(which, edits
         return
     fast.apply_payload("p", payload)
     assert state(fast) == state(slow)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenario())
+def test_the_native_and_the_python_ingestor_leave_the_same_state_through_one_interface(sc):
+    """The same calls on the Ingestor interface (apply_payload, reset, remove) to a
+    NativeIngestor and to the pure-Python Ingestor, both over the native index."""
+    import consumers.router as router_mod
+    from consumers.ingest import Ingestor
+
+    batches, config = sc
+    fast = KVRouter(RouterConfig(**config))
+    saved = router_mod.available
+    router_mod.available = lambda *a: False  # (this router's ingestor: the pure-Python one)
+    try:
+        slow = KVRouter(RouterConfig(**config))
+    finally:
+        router_mod.available = saved
+    assert type(slow.ingestor) is Ingestor and isinstance(fast.ingestor, NativeIngestor)
+    assert type(slow.index) is type(fast.index)
+    for pod, action, batch in batches:
+        for r in (slow, fast):
+            if action == "reset":
+                r.reset_pod(pod)
+            elif action == "remove_pod":
+                r.remove_pod(pod)
+            r.ingestor.apply_payload(pod, encode_batch(batch))
+        assert state(fast) == state(slow), batch
