@@ -79,6 +79,7 @@ SOURCES = LazyRegistry("event source", {
     "inproc": ("kvevents.transport.zmq.subscriber", "Subscriber"),
     "file": ("kvevents.recordstream", "RecordingSource"),
     "recording": ("kvevents.recordstream", "RecordingSource"),
+    "nats": ("kvevents.transport.nats.source", "JetStreamSource"),
 }, base=EventSource, known_label="known schemes and names")
 
 

@@ -210,11 +210,9 @@ class Replica:
         return True
 
     def _beat(self) -> None:
-        covered = self.covered
-
         async def beat():
-            try:
-                await self.store.cover(self.name, covered)
+            try:  # self.covered read on the loop, after any upload before it: a cover never goes back
+                await self.store.cover(self.name, self.covered)
             except Exception:
                 self.counters["cover_errors"] += 1
                 return

@@ -210,3 +210,15 @@ def test_nats_publisher_from_the_factory_and_its_restart(nats_server) -> None:
     got, _ = read_all(nats_server.url)
     assert _kinds(got) == [("batch", i) for i in range(50)] + [("reset", 0)] + [("batch", i) for i in range(3)]
     assert {d.publisher for d in got} == {"kv@pod-n@m"}
+
+
+def test_open_source_picks_the_jetstream_source_for_nats_urls(nats_server) -> None:
+    from kvevents.errors import ConfigError
+    from kvevents.source import EventSource, open_source
+    from kvevents.transport.nats.source import JetStreamSource
+
+    with open_source(nats_server.url, durable="via-registry") as src:
+        assert isinstance(src, JetStreamSource) and isinstance(src, EventSource)
+        assert src.poll(10) == []
+    with pytest.raises(ConfigError, match="one nats:// URL"):
+        open_source(nats_server.url, nats_server.url)

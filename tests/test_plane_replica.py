@@ -100,13 +100,16 @@ def test_purge_never_removes_what_a_live_replica_has_not_covered(nats_server) ->
     try:
         _step_until([a, b], lambda: a.covered >= 200 and b.source.acked >= 200, "a covers the stream")
         for _ in range(20):  # heartbeats with purge attempts: b covers nothing, so nothing may go
-            _step_until([a, b], lambda: True, "a round")
+            a.step(10)
+            b.step(10)
         wait_for(lambda: a.counters["purged"] + b.counters["purged"] == 0 and stream_state(url)[0] == 200,
                  "nothing purged while b covers nothing")
         assert stream_state(url)[0] == 200
         b.save_snapshot(wait=True)  # now b covers up to 200 too
         # purged up to both covers, except the pod's last message (a restarting engine reads its run there)
-        _step_until([a, b], lambda: stream_state(url)[0] == 1, "the stream purged up to both covers")
+        # (the purger counts after the purge returns: wait for the count too, not only the stream)
+        _step_until([a, b], lambda: stream_state(url)[0] == 1 and a.counters["purged"] + b.counters["purged"] >= 199,
+                    "the stream purged up to both covers")
         assert a.counters["purged"] + b.counters["purged"] == 199
         _publish(url, "pod-1", 200, 10)
         _step_until([a, b], lambda: a.source.acked >= 211 and b.source.acked >= 211, "both read the rest (a RESET and 10)")
@@ -146,3 +149,34 @@ def test_corrupt_snapshot_is_refused_and_counted_then_the_next_one_restores(nats
         assert c.router.entries() == 50
     finally:
         c.close()
+
+
+def test_a_purge_between_choosing_a_snapshot_and_publishing_the_cover_is_caught(nats_server) -> None:
+    url = nats_server.url
+    _publish(url, "pod-1", 0, 100)
+    a = Replica(url, "a", router_factory=LedgerRouter, snapshot_every=0.05, heartbeat=0.05, ttl=3)
+    try:
+        _step_until([a], lambda: a.covered >= 100, "a covers the first 100")
+
+        class Racy(Replica):  # the race, made to happen: after c chose a's snapshot at 100 and
+            raced = False     # before its cover is out, a saves a newer one and purges up to it
+
+            def _warm_start(self, newer_than=-1):
+                got = super()._warm_start(newer_than)
+                if not Racy.raced:
+                    Racy.raced = True
+                    _publish(url, "pod-1", 100, 50)
+                    _step_until([a], lambda: a.covered >= 151, "a covers the next 50 (a RESET and 50)")
+                    a.save_snapshot(wait=True)
+                    _step_until([a], lambda: a.counters["purged"] >= 100, "a purged up to its cover")
+                return got
+        c = Racy(url, "c", router_factory=LedgerRouter, snapshot_every=3600, heartbeat=0.05, ttl=3)
+        try:
+            assert c.counters["restart_rechecks"] == 1 and c.counters["restored_seq"] >= 151
+            assert c.counters["purged_before_read"] == 0
+            _step_until([a, c], lambda: c.source.acked >= a.source.acked, "c caught up")
+            assert c.router.digest() == a.router.digest()
+        finally:
+            c.close()
+    finally:
+        a.close()

@@ -29,7 +29,8 @@ from collections import deque
 from dataclasses import replace
 
 from ...delivery import Delivery, DeliveryKind, HealthState, PublisherHealth
-from ...errors import DecodeError
+from ...errors import ConfigError, DecodeError
+from ...source import EventSource
 from ._loop import LoopThread, connect
 from .wire import StreamSpec, parse_headers, unpack
 
@@ -47,7 +48,16 @@ class _PodState:
         self.last_seq = -1
 
 
-class JetStreamSource:
+class JetStreamSource(EventSource):
+    """``open_source("nats://HOST:PORT", durable=...)`` builds one (the ``nats`` entry of ``SOURCES``)."""
+
+    @classmethod
+    def from_urls(cls, urls: list[str], **options) -> "JetStreamSource":
+        if len(urls) != 1:
+            raise ConfigError(f"a JetStream source reads one nats:// URL (the client finds a cluster's other "
+                              f"servers itself), got {urls}")
+        return cls(urls[0], **options)
+
     def __init__(self, url: str, *, durable: str = "kvrouter", stream: StreamSpec | None = None,
                  start_seq: int | None = None, window: int = 4096, fetch_batch: int = 512, max_queued: int = 8192,
                  auto_ack: bool = True, stale_after: float = 10.0, filter_subject: str | None = None) -> None:
