@@ -146,9 +146,7 @@ class Api:
         pods = sorted(scores.values(), key=lambda s: (-s.total, s.load, s.pod))
         return json_response({
             "model": model, "prompt_tokens": len(tokens), "pick": pods[0].pod if pods else None,
-            "pods": [{"pod": s.pod, "total": s.total, "matched_tokens": s.matched_tokens,
-                      "tokens_by_tier": s.tokens_by_tier, "state": s.state, "rank": s.rank, "factor": s.factor,
-                      "load": s.load} for s in pods]})
+            "pods": pods})  # consumers.Score dataclasses: msgspec encodes their fields as they are
 
     async def pick(self, request: web.Request) -> web.Response:
         req = await self.read_json(request, ScoreRequest)
