@@ -42,8 +42,9 @@ def test_the_per_request_argument_is_named_req_context(cls) -> None:  # type: ig
         assert "req_context" in inspect.signature(getattr(cls, name)).parameters, (cls.__name__, name)
 
 
-@pytest.mark.parametrize("cls", [SecondaryTierManager, ExampleSecondaryTierManager])
-def test_tiers_take_req_context_too(cls) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("tier_type", [None, "example", "fs"])
+def test_tiers_take_req_context_too(tier_type) -> None:  # type: ignore[no-untyped-def]
+    cls = SecondaryTierManager if tier_type is None else SecondaryTierFactory.get_tier_class(tier_type)
     for name in ("lookup", "touch", "on_new_request", "on_request_finished"):
         assert "req_context" in inspect.signature(getattr(cls, name)).parameters, (cls.__name__, name)
 
