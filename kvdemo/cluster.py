@@ -9,8 +9,9 @@ shadow cluster of N identical engines gets the same requests round-robin, for co
 A :class:`kvevents.recorder.Recorder` records the stream. Live lines every second, a summary
 with the accounting at the end (exit code 1 if anything was lost without being reported).
 
-This module is imported by ``kvevents`` for its ``demo`` verb, so it imports nothing heavy:
-the cluster itself lives in :mod:`kvdemo.run`.
+The ``kvevents`` command finds this module's :func:`register` through the ``kvevents.commands``
+entry-point group and imports it to build its parser, so it imports nothing heavy: the cluster
+itself lives in :mod:`kvdemo.run`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["add_subcommand", "main"]
+__all__ = ["register", "add_subcommand", "main"]
 
 
 def _checked(convert, ok, bad: str, out_of_range: str):
@@ -42,7 +43,8 @@ _fraction = _checked(float, lambda v: 0.0 <= v < 1.0, "a fraction between 0 and 
 _duration = _checked(float, lambda v: v > 0, "seconds", "a positive number of seconds")
 
 
-def add_subcommand(subparsers) -> None:
+def register(subparsers) -> None:
+    """Entry point of the ``kvevents.commands`` group: adds the ``demo`` verb."""
     p = subparsers.add_parser(
         "demo", help="run a simulated cluster: engines, tiered offload, router, recording",
         description="N simulated engines with CPU + fs offload tiers publish KV events over ZeroMQ; a "
@@ -73,6 +75,9 @@ def add_subcommand(subparsers) -> None:
                    help="instead: the fleet topology on a local nats-server (JetStream): engines, a bridge, two "
                         "router replicas, one killed and restarted mid-run (needs nats-server on PATH)")
     p.set_defaults(func=main)
+
+
+add_subcommand = register  # the name kvevents.cli used before verbs came from entry points
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,15 +1,19 @@
 """The ``kvevents`` command.
 
-Verbs: ``tail`` (follow publishers, or any event source, one line per event, a periodic health line), ``demo``
-(the main job), and ``record`` / ``replay`` / ``inspect`` / ``convert-capture``
-(:mod:`kvevents.cli_record`). Bad input is one line on stderr and exit code 2; an
-unreachable replay socket is exit code 3; no tracebacks for either.
+The ground floor's own verbs: ``tail`` (follow publishers, or any event source, one line per
+event, a periodic health line) and ``record`` / ``replay`` / ``inspect`` / ``convert-capture``
+(:mod:`kvevents.cli_record`). Every other verb comes from the ``kvevents.commands`` entry-point
+group: each entry point names a function ``register(subparsers) -> None`` that adds one
+sub-parser and sets ``func=callable(args) -> int`` with ``set_defaults`` (``demo`` from
+``kvdemo``, ``router`` from the service, ...); this package never imports them by name. A
+plug-in that cannot be loaded still appears as its verb, which then says why it cannot run.
+Bad input is one line on stderr and exit code 2; an unreachable replay socket is exit code 3;
+no tracebacks for either.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import signal
 import sys
 import threading
@@ -20,8 +24,8 @@ from .delivery import Delivery, DeliveryKind
 from .errors import KVEventsError
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
 
-#: The demo verb: the whole simulated cluster when it is installed, else the in-process loop.
-DEMO_MODULES = ("kvdemo.cluster", "kvevents.demo")
+#: the entry-point group other packages register their verbs in
+COMMANDS_GROUP = "kvevents.commands"
 
 
 def _short(h) -> str:
@@ -120,19 +124,50 @@ def cmd_tail(args: argparse.Namespace) -> int:
         sub.close()
 
 
-def _demo_module():
-    for name in DEMO_MODULES:
+def _broken_verb(subparsers, name: str, why: str) -> None:
+    """A verb whose plug-in could not be loaded: it says so (exit 2) instead of vanishing."""
+    def fail(args: argparse.Namespace) -> int:
+        print(f"kvevents {name}: error: {why}", file=sys.stderr)
+        return 2
+
+    p = subparsers.add_parser(name, help=f"(unavailable: {why})", add_help=False)
+    p.set_defaults(func=fail, any_arguments=True)  # whatever follows the verb: it cannot run anyway
+
+
+def add_plugin_commands(subparsers, entry_points=None) -> list[str]:
+    """Add the verbs of the ``kvevents.commands`` entry points; returns their names in order.
+
+    ``entry_points`` (for tests): an iterable of objects with ``name`` and ``load()``, else the
+    installed distributions' group. A plug-in that fails to import, raises in ``register`` or
+    adds no verb (or one named differently from its entry point) gets a verb that reports it.
+    """
+    if entry_points is None:
+        from importlib.metadata import entry_points as installed
+
+        entry_points = sorted(installed(group=COMMANDS_GROUP), key=lambda e: e.name)
+    names = []
+    for ep in entry_points:
+        if ep.name in subparsers.choices:
+            continue  # a verb of this package, or a second distribution naming the same verb: first wins
         try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name not in (name, name.split(".")[0]):
-                raise
-    raise KVEventsError("no demo module is installed")
+            register = ep.load()
+            register(subparsers)
+        except Exception as exc:  # noqa: BLE001 - any plug-in failure becomes a verb that says it
+            subparsers.choices.pop(ep.name, None)
+            _broken_verb(subparsers, ep.name, f"its plug-in {getattr(ep, 'value', ep.name)!r} cannot be loaded: "
+                                              f"{type(exc).__name__}: {exc}")
+        else:
+            if ep.name not in subparsers.choices:
+                _broken_verb(subparsers, ep.name, f"its plug-in {getattr(ep, 'value', ep.name)!r} added no "
+                                                  f"{ep.name!r} verb")
+        names.append(ep.name)
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvevents", description="KV-cache event streaming: vLLM-compatible "
-                                     "publisher, self-healing subscriber, recording tools and a demo.")
+                                     "publisher, self-healing subscriber, recording tools, and the verbs "
+                                     "installed packages add (demo, router, ...).")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = sub.add_parser("tail", help="follow publishers and print their events",
@@ -152,14 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a replay endpoint has to answer the start-up probe (default 2)")
     p.set_defaults(func=cmd_tail)
 
-    _demo_module().add_subcommand(sub)
     cli_record.add_subcommands(sub)
+    add_plugin_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except KVEventsError as exc:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from kvevents import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
-from kvevents import demo as kvevents_demo
+from kvdemo import inprocess as kvevents_demo
 from kvevents.cli import main
 
 from .pubsub_helpers import collect_until, ipc_pair
@@ -51,7 +51,7 @@ def test_tail_unreachable_replay_is_exit_3(capsys) -> None:
 
 
 def test_in_process_demo_loses_nothing_silently() -> None:
-    """kvevents.demo: the pub -> sub loop the demo verb falls back to without kvdemo."""
+    """kvdemo.inprocess (was kvevents.demo): the smallest pub -> sub loop."""
     out = io.StringIO()
     assert kvevents_demo.run(duration=1.0, drop_rate=0.05, rate=500, out=out) == 0
     text = out.getvalue()
@@ -65,3 +65,52 @@ def test_demo_verb_is_the_cluster_demo() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "SILENTLY LOST 0" in proc.stdout and proc.stdout.rstrip().endswith("result: OK")
     assert "Traceback" not in proc.stderr
+
+
+class _EP:
+    """An entry point as importlib.metadata gives it: a name, a value, load()."""
+
+    def __init__(self, name, fn=None, exc=None):
+        self.name, self.value, self._fn, self._exc = name, f"tests.fake:{name}", fn, exc
+
+    def load(self):
+        if self._exc is not None:
+            raise self._exc
+        return self._fn
+
+
+def test_verbs_come_from_the_entry_point_group_and_broken_plugins_say_why(capsys) -> None:
+    import argparse
+
+    from kvevents.cli import add_plugin_commands
+
+    def good(subparsers):
+        subparsers.add_parser("hello").set_defaults(func=lambda a: 7)
+
+    def raises(subparsers):
+        raise RuntimeError("no config")
+
+    parser = argparse.ArgumentParser(prog="kvevents")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    sub.add_parser("tail")
+    names = add_plugin_commands(sub, [_EP("hello", good), _EP("gone", exc=ModuleNotFoundError("No module named 'x'")),
+                                      _EP("boom", raises), _EP("quiet", lambda s: None), _EP("tail", good)])
+    assert names == ["hello", "gone", "boom", "quiet"]  # "tail" is the package's own verb: kept
+    args = parser.parse_args(["hello"])
+    assert args.func(args) == 7
+    for verb, why in (("gone", "No module named 'x'"), ("boom", "RuntimeError: no config"), ("quiet", "added no")):
+        args, _ = parser.parse_known_args([verb, "--whatever"])
+        assert args.func(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith(f"kvevents {verb}: error:") and why in err
+
+
+def test_the_installed_group_names_the_demo_and_the_ground_floor_imports_no_demo() -> None:
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="kvevents.commands")}
+    assert eps["demo"] == "kvdemo.cluster:register"
+    code = ("import sys, kvevents.cli; kvevents.cli.build_parser; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kvdemo', 'manager', 'consumers', 'kvservice')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"  # importing the CLI loads no upper floor (building the parser does)

@@ -1,4 +1,8 @@
-"""``kvevents demo`` (in-process): a publisher and a subscriber on an inproc endpoint, no services.
+"""The smallest demo: a publisher and a subscriber in one process on an inproc endpoint.
+
+``python -m kvdemo.inprocess`` (``kvevents demo`` is the whole simulated cluster,
+:mod:`kvdemo.cluster`); it lived in ``kvevents`` once, and moved up here: the ground floor
+holds no demo.
 
 A producer thread publishes synthetic engine steps — GPU blocks stored in hash chains, every
 fifth step an offload to the CPU tier and an eviction — while a fault injector keeps a fraction
@@ -14,9 +18,7 @@ import sys
 import threading
 import time
 
-from .delivery import DeliveryKind
-from .events import BlockRemoved, BlockStored, KVEventBatch
-from .transport.zmq import PublisherSpec, Subscriber, ZmqEventPublisher
+from kvevents import BlockRemoved, BlockStored, DeliveryKind, KVEventBatch, PublisherSpec, Subscriber, ZmqEventPublisher
 
 ENDPOINT = "inproc://kvevents-demo"
 REPLAY_ENDPOINT = "inproc://kvevents-demo-replay"
@@ -113,12 +115,17 @@ def run(duration: float = 5.0, drop_rate: float = 0.01, rate: float = 2000.0, ou
     return 0 if silent == 0 else 1
 
 
-def add_subcommand(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="run the in-process publisher -> subscriber demo",
-                              description="Publisher and subscriber in one process on an inproc endpoint; "
-                                          "exits by itself after --duration seconds.")
-    p.add_argument("--duration", type=float, default=5.0, metavar="S", help="seconds to run (default 5)")
-    p.add_argument("--drop-rate", type=float, default=0.01, metavar="P",
-                   help="fraction of live batches kept off the socket to show replay healing (default 0.01)")
-    p.add_argument("--rate", type=float, default=2000.0, metavar="N", help="batches per second (0: flat out)")
-    p.set_defaults(func=lambda a: run(a.duration, a.drop_rate, a.rate))
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvdemo.inprocess",
+                                 description="Publisher and subscriber in one process on an inproc endpoint; "
+                                             "exits by itself after --duration seconds.")
+    ap.add_argument("--duration", type=float, default=5.0, metavar="S", help="seconds to run (default 5)")
+    ap.add_argument("--drop-rate", type=float, default=0.01, metavar="P",
+                    help="fraction of live batches kept off the socket to show replay healing (default 0.01)")
+    ap.add_argument("--rate", type=float, default=2000.0, metavar="N", help="batches per second (0: flat out)")
+    a = ap.parse_args(argv)
+    return run(a.duration, a.drop_rate, a.rate)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
