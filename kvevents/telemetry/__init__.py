@@ -15,10 +15,18 @@ gap recovery, replays served, resets and gaps are always traced. The two per-ite
 (subscriber lag, manager job latency) record one item in 32 the same way.
 """
 
-from .catalog import CATALOG, MetricSpec, render_markdown_table
+from .catalog import MetricSpec, render_markdown_table
 from .instruments import Observation
 from .messaging import MESSAGES, instrument_publisher, instrument_subscriber, message_id, uninstrument
 from .observe import observe_publisher, observe_subscriber
+
+
+def __getattr__(name: str):
+    if name == "CATALOG":  # assembled from the components' entry points on first use
+        from .catalog import catalog
+
+        return catalog()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def setup(*args, **kwargs):

@@ -1,0 +1,51 @@
+"""The router's metric specs (its observer: :mod:`consumers.telemetry`).
+
+Plain data, registered in the ``kvevents.metrics`` entry-point group; the catalogue
+(:mod:`kvevents.telemetry.catalog`) assembles every component's list.
+"""
+
+from __future__ import annotations
+
+from kvevents.telemetry.catalog import COUNTER, GAUGE, HISTOGRAM, LATENCY_BUCKETS, UPDOWN, MetricSpec
+from kvevents.telemetry.catalog import spec as _m
+
+__all__ = ["METRICS"]
+
+METRICS: tuple[MetricSpec, ...] = (
+    # ---- router (consumers.telemetry: KVRouter) -----------------------------------------------
+    _m("kvevents.router.entries", UPDOWN, "{entry}",
+       "Index entries (key, endpoint) held per tier (sampled by a scan, at most once per refresh interval).",
+       ("tier",), "router", "index masks, set bits per tier lane", "kvevents_router_entries"),
+    _m("kvevents.router.index.size", UPDOWN, "By",
+       "Approximate index memory per tier (the index's bytes split by each tier's share of entries).",
+       ("tier",), "router", "memory estimate (sys.getsizeof of masks and learned maps)",
+       "kvevents_router_index_size_bytes"),
+    _m("kvevents.router.batches", COUNTER, "{batch}", "Batches applied to the index.",
+       (), "router", "stats.batches", "kvevents_router_batches_total"),
+    _m("kvevents.router.events", COUNTER, "{event}", "Events applied to the index.",
+       (), "router", "stats.events", "kvevents_router_events_total"),
+    _m("kvevents.router.lookups", COUNTER, "{lookup}", "score() calls (pick() included).",
+       (), "router", "stats.lookups", "kvevents_router_lookups_total"),
+    _m("kvevents.router.prompt.tokens", COUNTER, "{token}", "Prompt tokens of the scored requests.",
+       (), "router", "stats.prompt_tokens", "kvevents_router_prompt_tokens_total"),
+    _m("kvevents.router.matched.tokens", COUNTER, "{token}",
+       "Prefix tokens the best-scoring pod holds, per tier it would serve them from.",
+       ("tier",), "router", "stats.matched_tokens (the pod pick() would choose)", "kvevents_router_matched_tokens_total"),
+    _m("kvevents.router.offload.unjoined", COUNTER, "{block}",
+       "Offload events that arrived before the GPU event they join, by outcome: "
+       "held, resolved, expired, dropped, cancelled.",
+       ("outcome",), "router", "stats.pending_*", "kvevents_router_offload_unjoined_total"),
+    _m("kvevents.router.offload.pending", UPDOWN, "{block}", "Offload events waiting for their GPU event.",
+       (), "router", "len(pending)", "kvevents_router_offload_pending"),
+    _m("kvevents.router.evicted", COUNTER, "{entry}", "Index entries evicted by the entry budget.",
+       (), "router", "index.evicted_entries", "kvevents_router_evicted_total"),
+    _m("kvevents.router.removals", COUNTER, "{block}",
+       "BlockRemoved hashes by outcome: removed, unknown (never learned).",
+       ("outcome",), "router", "stats.blocks_removed / stats.remove_unknown", "kvevents_router_removals_total"),
+    _m("kvevents.router.errors", COUNTER, "{event}", "Bad input the router counted and skipped, by kind.",
+       ("kind",), "router", "stats.errors[kind]", "kvevents_router_errors_total"),
+    _m("kvevents.router.gaps", COUNTER, "{gap}", "Unrecoverable gaps (pod marked unreliable).",
+       (), "router", "stats.gaps", "kvevents_router_gaps_total"),
+    _m("kvevents.router.resets", COUNTER, "{reset}", "Pod resets (publisher restarts).",
+       (), "router", "stats.resets", "kvevents_router_resets_total"),
+)
