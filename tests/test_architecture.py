@@ -1,0 +1,179 @@
+"""The house's floor rules (../shared/DESIGN.md), checked on the source: imports and module sizes.
+
+Every import is read from the AST of every module — top-level and inside functions alike, and
+``importlib.import_module("...")`` / ``__import__("...")`` calls with a literal name, since a
+lazy or dynamic import reaches up just the same. Plug-ins found through entry points are named
+in pyproject.toml, not in the code, and are what lets the ground floor stay ground.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("kvevents", "manager", "consumers", "kvdemo", "kvservice")
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+#: compiled extension modules (``consumers/_fastpath.c`` -> ``consumers._fastpath``): importable, importing nothing here
+EXTENSIONS = {".".join(p.relative_to(ROOT).with_suffix("").parts) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.c")}
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    t = node.test if isinstance(node, ast.If) else None
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _walk(tree: ast.AST):
+    """ast.walk, minus ``if TYPE_CHECKING:`` bodies (annotations only: nothing runs them)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if _is_type_checking(node):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _literal(node: ast.AST) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _imported_names(mod: str, path: Path) -> list[tuple[str, int]]:
+    """Dotted names ``mod`` imports, with line numbers (relative imports resolved)."""
+    is_pkg = path.name == "__init__.py"
+    here = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    out = []
+    for node in _walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = here[:len(here) - node.level + 1] if node.level else []
+            prefix = ".".join(base + ([node.module] if node.module else []))
+            subs = [f"{prefix}.{a.name}" for a in node.names if f"{prefix}.{a.name}" in MODULES.keys() | EXTENSIONS]
+            out += [(name, node.lineno) for name in subs]
+            if len(subs) < len(node.names):  # some name is an attribute of the module ``prefix`` itself
+                out.append((prefix, node.lineno))
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+            if name in ("import_module", "__import__") and node.args and _literal(node.args[0]):
+                target = _literal(node.args[0])
+                if target.startswith(".") and len(node.args) > 1 and _literal(node.args[1]):
+                    target = _literal(node.args[1]) + target
+                out.append((target, node.lineno))
+    return out
+
+
+def _edges() -> dict[str, dict[str, int]]:
+    """module -> {project module it imports: line}."""
+    graph: dict[str, dict[str, int]] = {}
+    for mod, path in MODULES.items():
+        deps = graph.setdefault(mod, {})
+        for name, line in _imported_names(mod, path):
+            if name in EXTENSIONS:
+                continue
+            while name and name not in MODULES:  # "pkg.mod.attr" -> "pkg.mod"
+                name = name.rpartition(".")[0]
+            if name and name != mod:
+                deps.setdefault(name, line)
+    return graph
+
+
+GRAPH = _edges()
+
+
+def _floor_violations(src_pkgs: tuple[str, ...], banned: tuple[str, ...]) -> list[str]:
+    return [f"{MODULES[m].relative_to(ROOT)}:{line} imports {d}"
+            for m, deps in GRAPH.items() if m.split(".")[0] in src_pkgs
+            for d, line in deps.items() if d.split(".")[0] in banned]
+
+
+def test_the_walker_sees_lazy_and_dynamic_imports(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    import manager.base\n"
+                    "import importlib\nimportlib.import_module('kvdemo.cluster')\n"
+                    "from importlib import import_module\nimport_module('.feed', 'consumers')\n"
+                    "from . import source\n")
+    names = {n for n, _ in _imported_names("kvevents.probe", path)}
+    assert {"manager.base", "kvdemo.cluster", "consumers.feed", "kvevents.source"} <= names
+    assert "kvservice.api" not in names
+
+
+def test_kvevents_is_the_ground_floor():
+    assert _floor_violations(("kvevents",), ("manager", "consumers", "kvdemo", "kvservice")) == []
+
+
+def test_manager_and_consumers_never_import_each_other_or_the_top_floor():
+    assert _floor_violations(("manager",), ("consumers", "kvdemo", "kvservice")) == []
+    assert _floor_violations(("consumers",), ("manager", "kvdemo", "kvservice")) == []
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_the_circle_finder_finds_circles():
+    g = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}, "e": {"f": 1}, "f": {"e": 1}}
+    assert sorted(_cycles(g)) == [["a", "b", "c"], ["e", "f"]]
+    assert _cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_no_import_circles():
+    cycles = _cycles(GRAPH)
+    assert cycles == [], "import circles (each works only by import order): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def _sources() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for ext in ("*.py", "*.c", "*.h") for p in (ROOT / pkg).rglob(ext))
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_over_500_lines(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines: it has two rooms in it; split it by role"
