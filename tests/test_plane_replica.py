@@ -180,3 +180,24 @@ def test_a_purge_between_choosing_a_snapshot_and_publishing_the_cover_is_caught(
             c.close()
     finally:
         a.close()
+
+
+def test_replica_rides_through_a_nats_server_restart(nats_server) -> None:
+    url = nats_server.url
+    _publish(url, "pod-1", 0, 100)
+    a = Replica(url, "a", router_factory=LedgerRouter, snapshot_every=0.1, heartbeat=0.1, ttl=3)
+    try:
+        _step_until([a], lambda: a.source.acked >= 100, "a read the first 100")
+        nats_server.restart()  # file storage: the stream, buckets and consumer survive
+        _publish(url, "pod-1", 100, 100)  # a new run: a RESET and 100 batches
+        _step_until([a], lambda: a.source.acked >= 201, "a read on after the restart")
+        assert a.source.stats()["stream_gaps"] == 0
+        assert a.router.entries() == 100
+        b = Replica(url, "b", router_factory=LedgerRouter, snapshot_every=3600, heartbeat=0.1, ttl=3)
+        try:
+            _step_until([a, b], lambda: b.source.acked >= 201, "b caught up")
+            assert b.router.digest() == a.router.digest()
+        finally:
+            b.close()
+    finally:
+        a.close()
