@@ -19,6 +19,7 @@ Known limitations (measured in ``benchmarks/router.py``):
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from . import feed, snapshot
@@ -217,6 +218,27 @@ class KVRouter:
         """(key, endpoint) entries per tier name."""
         lanes = self._index.lane_counts(len(self._eps.tiers))
         return {name: lanes[t] for name, t in self._eps.tiers.items()}
+
+    def entries_by_pod(self) -> dict[str, dict[str, int]]:
+        """Pod -> tier name -> (key, endpoint) entries, the pod's ranks summed; pods that hold
+        nothing are listed with zeros. O(index) per call: one pass over the index's masks (counted
+        per distinct mask at C speed, then each distinct mask's bits once), so call it for a
+        status page, not per request."""
+        idx, eps = self._index, self._eps
+        masks = getattr(idx, "masks", None)  # both backends keep one; any other Index: items()
+        values = masks.values() if hasattr(masks, "values") else (m for _, m, _ in idx.items())
+        cap, names = idx.cap, eps.tier_names  # type: ignore[attr-defined]
+        owner = {ep.slot: ep.pod for ep in eps}
+        out: dict[str, dict[str, int]] = {pod: {name: 0 for name in names} for pod in owner.values()}
+        for m, n in Counter(values).items():
+            while m:
+                low = m & -m
+                b = low.bit_length() - 1
+                m ^= low
+                pod = owner.get(b % cap)
+                if pod is not None and b // cap < len(names):
+                    out[pod][names[b // cap]] += n
+        return out
 
     def memory_report(self) -> dict[str, float]:
         """Approximate bytes held by the index and the learned maps."""

@@ -61,6 +61,10 @@ class Api:
         self.internal_errors = 0
         self.telemetry = None  # kvservice.metrics.Telemetry once the service runs
         self.proxy = None  # kvservice.proxy.Proxy in --proxy mode
+        #: /v1/pods' per-pod entry counts (KVRouter.entries_by_pod, O(index)) are reused while the
+        #: router's batches/entries/pods are unchanged, or for at most this many seconds under load
+        self.pods_cache_s = 1.0
+        self._by_pod: tuple[tuple, float, dict] | None = None
 
     # ---- middleware ------------------------------------------------------------------------
     @web.middleware
@@ -169,8 +173,17 @@ class Api:
     async def pods(self, request: web.Request) -> web.Response:
         view = self.fleet.pods_view()
         with self.fleet.lock:
-            counters = self.fleet.router.counters()
-            by_tier = self.fleet.router.entries_by_tier()
+            router = self.fleet.router
+            counters = router.counters()
+            by_tier = router.entries_by_tier()
+            key = tuple(counters.get(k) for k in ("batches", "entries", "keys", "pods", "resets", "purges"))
+            now = time.monotonic()
+            cached = self._by_pod
+            if cached is None or (cached[0] != key and now - cached[1] >= self.pods_cache_s):
+                cached = self._by_pod = (key, now, router.entries_by_pod())
+        by_pod = cached[2]
+        for p in view["pods"]:
+            p["entries_by_tier"] = by_pod.get(p["name"]) or {tier: 0 for tier in by_tier}
         view["router"] = {"entries": counters.get("entries"), "entries_by_tier": by_tier, "keys": counters.get("keys"),
                           "errors": counters.get("errors", {}), "batches": counters.get("batches")}
         proxy = getattr(self, "proxy", None)

@@ -57,6 +57,9 @@ SCHEMAS = {
         "batches": {"type": "integer"}, "gaps": {"type": "integer"}, "unrecoverable": {"type": "integer"},
         "resets": {"type": "integer"}, "malformed": {"type": "object"},
         "publishers": {"type": "array", "items": {"type": "string"}},
+        "entries_by_tier": {"type": "object", "additionalProperties": {"type": "integer"},
+                            "description": "this pod's indexed (block, rank) entries per tier (ranks summed); "
+                                           "recomputed at most once a second while the index changes"},
         "proxy_down": {"type": "boolean", "description": "proxy mode: skipped after a failure, for down_for s"}}},
     "Pods": {"type": "object", "required": ["pods", "unattributed", "ready"], "properties": {
         "pods": {"type": "array", "items": {"$ref": "#/components/schemas/PodStatus"}},

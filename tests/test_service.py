@@ -60,6 +60,11 @@ def test_routes_round_trip_on_vllm_default_topic(fleet2) -> None:
     pods = wait_for(lambda: (p := http.get("/v1/pods")[1])["pods"][0]["last_seq"] == 0 and p, what="pod table")
     assert pods["ready"] is True and pods["unattributed"] == []
     assert pods["router"]["entries_by_tier"]["GPU"] == 6
+    # per pod: each pod's own holdings (a: 4 blocks, b: 2), over real HTTP
+    pods = wait_for(lambda: (p := http.get("/v1/pods")[1])["pods"][1].get("entries_by_tier", {}).get("GPU") == 2
+                    and p, what="per-pod entries")
+    by_name = {p["name"]: p["entries_by_tier"] for p in pods["pods"]}
+    assert by_name["a"]["GPU"] == 4 and by_name["b"]["GPU"] == 2
     a = next(p for p in pods["pods"] if p["name"] == "a")
     assert a["state"] == "SYNCED" and a["last_seq"] == 0 and a["batches"] == 1 and a["lag_s"] is not None
     status, headers, text = http.call("GET", "/metrics")
