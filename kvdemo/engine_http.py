@@ -118,27 +118,33 @@ class EngineServer:
     def _engine_loop(self) -> None:
         eng = self.engine
         live: dict[str, _Job] = {}
-        while not self._stop.is_set():
-            try:
-                job = self._q.get(timeout=0.0 if eng.has_work() else 0.05)
-            except queue.Empty:
-                job = None
-            while job is not None:
+        done: list[str] = []
+        eng.on_request_finished.append(done.append)
+        try:
+            while not self._stop.is_set():
                 try:
-                    eng.add_request(job.req_id, job.tokens, max_new_tokens=job.max_tokens)
-                    live[job.req_id] = job
-                except ValueError as exc:
-                    job.loop.call_soon_threadsafe(_settle, job.future, exc)
-                try:
-                    job = self._q.get_nowait()
+                    job = self._q.get(timeout=0.0 if eng.has_work() else 0.05)
                 except queue.Empty:
                     job = None
-            if eng.has_work():
-                eng.step()
-                # SimEngine has no completion callback: a request is done once it no longer tracks it
-                for rid in [r for r in live if r not in eng._requests]:
-                    j = live.pop(rid)
-                    j.loop.call_soon_threadsafe(_settle, j.future, None)
+                while job is not None:
+                    try:
+                        eng.add_request(job.req_id, job.tokens, max_new_tokens=job.max_tokens)
+                        live[job.req_id] = job
+                    except ValueError as exc:
+                        job.loop.call_soon_threadsafe(_settle, job.future, exc)
+                    try:
+                        job = self._q.get_nowait()
+                    except queue.Empty:
+                        job = None
+                if eng.has_work():
+                    eng.step()
+                    for rid in done:
+                        j = live.pop(rid, None)
+                        if j is not None:
+                            j.loop.call_soon_threadsafe(_settle, j.future, None)
+                    done.clear()
+        finally:
+            eng.on_request_finished.remove(done.append)
 
     async def _run(self, tokens: list[int], max_tokens: int) -> None:
         loop = asyncio.get_running_loop()

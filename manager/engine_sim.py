@@ -139,6 +139,10 @@ class SimEngine:
         #: the host buffer one offloaded block per row (what the manager's tiers read and write)
         self.host_block_io = self.handlers.host_block_io
         self.step_observers: tuple[Any, ...] = ()
+        #: callables ``f(req_id)``, run inside ``step()`` once a request has generated its last
+        #: token (its blocks may still be freed later, after pending stores): how a server learns
+        #: a request is done without reading the engine's request table
+        self.on_request_finished: list[Callable[[str], None]] = []
         self._requests: dict[str, _SimRequest] = {}
         self._waiting: collections.deque[_SimRequest] = collections.deque()
         self._running: list[_SimRequest] = []
@@ -404,6 +408,8 @@ class SimEngine:
             self._deferred_free[r.req_id] = r  # stores still read its blocks
         else:
             self.gpu.free(r.block_ids)
+        for f in self.on_request_finished:
+            f(r.req_id)
 
     def _cache_full_blocks(self, r: _SimRequest) -> None:
         eng, bs = r.engine, self.block_size
