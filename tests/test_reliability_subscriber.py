@@ -1,0 +1,268 @@
+"""Subscriber reliability (issue 10): restarts never spliced, bind mode bounded, idle tails healed,
+late joins that outlive a slow publisher start."""
+
+from __future__ import annotations
+
+import kvevents
+from kvevents import DeliveryKind, Subscriber, ZmqEventPublisher
+
+from .pubsub_helpers import batch, collect, collect_until, free_tcp_port, ipc_pair, seqs, wait_connected
+
+BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
+
+
+def _after_reset(got):
+    kinds = [d.kind for d in got]
+    assert RESET in kinds, f"no RESET in {[(d.kind.value, d.seq) for d in got][:40]}"
+    return got[kinds.index(RESET) + 1:]
+
+
+def test_restart_past_the_last_seq_is_a_reset_not_a_splice() -> None:
+    """Killed at seq s, restarted, the new run past s when the subscriber hears it again: the
+    gap's replay fingerprints the last delivered batch, finds another run, says RESET and
+    delivers the new run from 0 — never the new run's s+1.. as if they continued the old one."""
+    ep, rep = ipc_pair()
+    pub = ZmqEventPublisher(ep, rep)
+    sub = Subscriber([(ep, rep, "p")])
+    try:
+        start = wait_connected(pub, sub)
+        for i in range(10):
+            pub.publish(batch(i))
+        last = start + 9
+        collect(sub, lambda g: last in seqs(g))
+        pub.shutdown()
+        pub = ZmqEventPublisher(ep, rep)  # same endpoints, a new run
+        for i in range(last + 10):  # the new run gets past the old one's last seq while nobody listens
+            pub.publish(batch(1000 + i))
+        assert collect_until(lambda: pub.stats()["ring_batches"] == last + 10)
+        got = collect(sub, lambda g: RESET in [d.kind for d in g] and len(seqs(_after_reset(g))) >= last + 12,
+                      pump=lambda: pub.publish(batch(5000)))
+        before = [d for d in got[:[d.kind for d in got].index(RESET)] if d.kind is BATCH]
+        assert not before, f"new-run batches spliced onto the old run: {[d.seq for d in before]}"
+        after = [d for d in _after_reset(got) if d.kind is BATCH]
+        assert [d.seq for d in after[:last + 10]] == list(range(last + 10))
+        assert [d.batch for d in after[:last + 10]] == [batch(1000 + i) for i in range(last + 10)]
+        assert not [d for d in _after_reset(got) if d.kind is GAP]
+        h = sub.health()["p"]
+        assert h.resets == 1
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
+def test_restart_landing_on_the_expected_seq_is_caught_on_reconnect() -> None:
+    """The new run's first batch the subscriber hears carries exactly the next expected seq: no
+    gap, no backwards seq. The SUB socket's reconnect triggers the fingerprint check: RESET."""
+    ep, rep = ipc_pair()
+    pub = ZmqEventPublisher(ep, rep)
+    sub = Subscriber([(ep, rep, "p")])
+    try:
+        start = wait_connected(pub, sub)
+        pub.publish(batch(1))
+        collect(sub, lambda g: start in seqs(g))
+        pub.shutdown()
+        pub = ZmqEventPublisher(ep, rep)
+        nxt = start + 1
+        # the new run, as a recording replayer would produce it: a different batch at the old last
+        # seq, then the seq the subscriber expects next
+        pub.publish_raw(kvevents.encode_batch(batch(777)), seq=start)
+        got = collect(sub, lambda g: RESET in [d.kind for d in g] and len(seqs(_after_reset(g))) >= 2,
+                      pump=lambda: pub.publish(batch(778)))
+        after = _after_reset(got)
+        assert after[0].kind is GAP and after[0].seq == 0 and after[0].missed == start  # 0..start-1 never existed here
+        assert [d.seq for d in after if d.kind is BATCH][:2] == [start, nxt]
+        assert next(d for d in after if d.kind is BATCH).batch == batch(777)
+        assert sub.health()["p"].resets == 1
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
+def test_a_gap_in_the_same_run_passes_the_fingerprint_check() -> None:
+    """A gap's replay starts one batch early, at the last delivered one: same payload, same run:
+    no RESET, the gap healed."""
+    ep, rep = ipc_pair()
+    drop: set[int] = set()
+    pub = ZmqEventPublisher(ep, rep, drop_live=lambda s: s in drop)
+    sub = Subscriber([(ep, rep, "p")])
+    try:
+        start = wait_connected(pub, sub)
+        drop.update(range(start + 3, start + 6))
+        for i in range(8):
+            pub.publish(batch(i))
+        got = collect(sub, lambda g: start + 7 in seqs(g))
+        assert seqs(got) == list(range(start, start + 8))
+        h = sub.health()["p"]
+        assert (h.resets, h.gaps, h.unrecoverable) == (0, 1, 0)
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
+def test_bind_mode_validates_before_it_creates_a_peer_and_bounds_peers() -> None:
+    ep = f"tcp://127.0.0.1:{free_tcp_port()}"
+    sub = Subscriber(bind=ep, max_publishers=4, stale_after=3600.0)
+    import zmq
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(ep)
+    good = kvevents.encode_batch(batch(1))
+    try:
+        collect(sub, lambda g: len(seqs(g)) >= 1, pump=lambda: pub.send_multipart([b"t0", (0).to_bytes(8, "big"), good]))
+        for i in range(50):  # malformed frames under fresh topics: counted, no peer for any of them
+            pub.send_multipart([f"bad{i}".encode(), b"\x00\x01", good])
+            pub.send_multipart([f"worse{i}".encode(), (0).to_bytes(8, "big")])
+        for i in range(1, 40):  # more distinct topics than max_publishers
+            pub.send_multipart([f"t{i}".encode(), (0).to_bytes(8, "big"), good])
+        collect(sub, lambda g: sub.stats()["publishers_refused"] >= 35)
+        st = sub.stats()
+        assert st["publishers"] == 4 and len(sub.health()) == 4
+        assert st["publishers_refused"] == 35
+        assert st["malformed_seq"] == 50 and st["malformed_frames"] == 50
+    finally:
+        pub.close(0)
+        sub.close()
+
+
+def test_bind_mode_expires_silent_peers_to_make_room() -> None:
+    ep = f"tcp://127.0.0.1:{free_tcp_port()}"
+    sub = Subscriber(bind=ep, max_publishers=2, stale_after=0.05)
+    import zmq
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(ep)
+    good = kvevents.encode_batch(batch(1))
+    try:
+        collect(sub, lambda g: len(seqs(g)) >= 1, pump=lambda: pub.send_multipart([b"a", (0).to_bytes(8, "big"), good]))
+        pub.send_multipart([b"b", (0).to_bytes(8, "big"), good])
+        collect(sub, lambda g: {d.publisher for d in g} >= {"b"})
+        # both silent past stale_after: a third topic takes the longest-silent one's place
+        got = collect(sub, lambda g: "c" in {d.publisher for d in g},
+                      pump=lambda: pub.send_multipart([b"c", (0).to_bytes(8, "big"), good]))
+        assert got
+        assert set(sub.health()) == {"b", "c"}
+        assert sub.stats()["publishers_expired"] == 1 and sub.stats()["publishers_refused"] == 0
+    finally:
+        pub.close(0)
+        sub.close()
+
+
+class _NoIter(dict):
+    """A peers map that fails the test if a poll walks over every peer."""
+
+    armed = False
+
+    def values(self):
+        assert not self.armed, "an idle poll walked over every peer"
+        return super().values()
+
+    def __iter__(self):
+        assert not self.armed, "an idle poll walked over every peer"
+        return super().__iter__()
+
+    def items(self):
+        assert not self.armed, "an idle poll walked over every peer"
+        return super().items()
+
+
+def test_idle_poll_touches_only_active_peers() -> None:
+    ep = f"tcp://127.0.0.1:{free_tcp_port()}"
+    sub = Subscriber(bind=ep, stale_after=3600.0)
+    import zmq
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(ep)
+    good = kvevents.encode_batch(batch(1))
+    try:
+        collect(sub, lambda g: len(seqs(g)) >= 1, pump=lambda: pub.send_multipart([b"t0", (0).to_bytes(8, "big"), good]))
+        for i in range(1, 300):
+            pub.send_multipart([f"t{i}".encode(), (0).to_bytes(8, "big"), good])
+        collect(sub, lambda g: sub.stats()["publishers"] == 300)
+        assert sub.stats()["publishers_active"] == 0
+        peers = _NoIter(sub._peers)
+        sub._peers = peers
+        peers.armed = True
+        for _ in range(5):
+            assert sub.poll(0) == []
+        peers.armed = False
+    finally:
+        pub.close(0)
+        sub.close()
+
+
+def test_a_tail_dropped_while_the_publisher_is_idle_is_healed_and_reported() -> None:
+    ep, rep = ipc_pair()
+    drop: set[int] = set()
+    pub = ZmqEventPublisher(ep, rep, drop_live=lambda s: s in drop)
+    sub = Subscriber([(ep, rep, "p")], tail_probe_after=0.05)
+    try:
+        start = wait_connected(pub, sub)
+        drop.update(range(start + 5, start + 30))  # the burst's last 25 never reach the live socket
+        for i in range(30):
+            pub.publish(batch(i))
+        got = collect(sub, lambda g: start + 29 in seqs(g))  # no further batch is published
+        assert seqs(got) == list(range(start, start + 30))
+        assert [d.seq for d in got if d.replayed] == list(range(start + 5, start + 30))
+        h = sub.health()["p"]
+        assert h.gaps == 1 and h.recovered == 25 and h.unrecoverable == 0
+        assert h.probes >= 1
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
+def test_an_idle_tail_probe_that_finds_nothing_reports_nothing() -> None:
+    ep, rep = ipc_pair()
+    pub = ZmqEventPublisher(ep, rep)
+    sub = Subscriber([(ep, rep, "p")], tail_probe_after=0.02)
+    try:
+        wait_connected(pub, sub)
+        got = collect(sub, lambda g: sub.health()["p"].probes >= 3)
+        assert got == []
+        h = sub.health()["p"]
+        assert (h.gaps, h.recovered, h.unrecoverable, h.resets) == (0, 0, 0, 0)
+        assert h.state.value == "SYNCED"
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
+def test_late_join_outlives_a_publisher_that_starts_late() -> None:
+    """The publisher comes up after several replay timeouts: the initial replay is retried until
+    it answers, so the stream's first batches are delivered (not silently lost)."""
+    ep, rep = ipc_pair()
+    sub = Subscriber([(ep, rep, "p")], late_join=True, replay_timeout=0.05)
+    pub = None
+    try:
+        collect(sub, lambda g: sub.health()["p"].join_retries >= 3)
+        pub = ZmqEventPublisher(ep, rep)
+        for i in range(10):  # published before the SUB socket can have reconnected
+            pub.publish(batch(i))
+        got = collect(sub, lambda g: len(seqs(g)) >= 12, pump=lambda: pub.publish(batch(99)))
+        assert seqs(got)[:10] == list(range(10))
+        assert [d.batch for d in got[:10]] == [batch(i) for i in range(10)]
+        assert not [d for d in got if d.kind is not BATCH]
+    finally:
+        sub.close()
+        if pub is not None:
+            pub.shutdown()
+
+
+def test_late_join_without_a_replay_answer_reports_the_start_as_a_gap() -> None:
+    """A late join whose replay socket never answers: once live batches arrive and the retries
+    are spent, the unseen start of the stream is a GAP, not silence."""
+    from kvevents.tracker import SeqTracker
+    t = SeqTracker("p", can_replay=True, late_join=True, replay_timeout=1.0, now=0.0)
+    assert t.request == 0
+    t.request = None
+    assert t.tick(1.5) == [] and t.request == 0 and t.health.join_retries == 1  # no answer: asked again
+    t.request = None
+    assert t.on_live(7, batch(7), 2.0) == []  # held while the join replay is outstanding
+    out = []
+    now = 2.0
+    for _ in range(10):
+        now += 1.1
+        out += t.tick(now)
+        t.request = None
+    assert [(d.kind, d.seq, d.missed) for d in out] == [(GAP, 0, 7), (BATCH, 7, 0)]
+    assert t.health.unrecoverable == 7
