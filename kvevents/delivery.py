@@ -48,7 +48,9 @@ class PublisherHealth:
     gaps: int = 0
     recovered: int = 0  #: batches delivered from replay to fill gaps
     unrecoverable: int = 0  #: batches lost for good
-    resets: int = 0
+    resets: int = 0  #: restarts seen: the seq went backwards, or the last batch's fingerprint changed
     replay_requests: int = 0  #: replay requests asked for (each gap, late join, retry)
     replay_timeouts: int = 0  #: replay requests whose answer did not end in time (given up)
     malformed: dict[str, int] = field(default_factory=dict)  #: by kind: frames, seq, payload, replay
+    probes: int = 0  #: replay probes sent while the publisher was quiet (finds a tail lost while idle)
+    join_retries: int = 0  #: late join: initial replay requests sent again (no answer in time)

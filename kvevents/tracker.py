@@ -14,7 +14,14 @@ sequence order, without duplicates:
   publisher's messages in order): a RESET delivery, then the stream starts again from seq 0
   (missing early seqs of the new run are a gap as above); a live seq above the last live one
   but below the expected one was already delivered by a replay that ran ahead: dropped;
-* a malformed payload (seq known, batch undecodable) is a GAP of one with reason "malformed".
+* a malformed payload (seq known, batch undecodable) is a GAP of one with reason "malformed";
+* ``restarted()`` (the socket layer found the last delivered batch changed under its seq: a
+  restart that kept the seq going up) is a RESET, then the new run from seq 0 by replay;
+* ``check()`` asks for replay with no known gap (after a reconnect, or a quiet publisher's idle
+  probe): whatever comes back past the last delivered seq is delivered as a healed gap;
+* a late join's initial replay is asked again each ``replay_timeout`` until it is answered
+  (``join_retries``); once live batches are held, at most ``max_attempts`` times, after which
+  the start of the stream the subscriber never saw is a GAP.
 
 What arrives (``item``) is a decoded :class:`KVEventBatch`, or the payload bytes for a raw
 subscriber (the tracker does not look inside), or None for an undecodable payload. A BATCH
@@ -39,7 +46,7 @@ BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
 class SeqTracker:
     __slots__ = ("publisher", "topic", "can_replay", "health", "heard", "expected", "live_high", "recovering", "late",
                  "pending", "attempts", "request", "deadline", "replay_timeout", "max_pending",
-                 "max_attempts")
+                 "max_attempts", "probing")
 
     def __init__(self, publisher: str, topic: str = "", *, can_replay: bool = False, late_join: bool = False,
                  replay_timeout: float = 2.0, max_pending: int = 10_000, max_attempts: int = 2,
@@ -61,6 +68,7 @@ class SeqTracker:
         self.replay_timeout = replay_timeout
         self.max_pending = max_pending
         self.max_attempts = max_attempts
+        self.probing = False  # recovering for a check(): no gap known (health stays SYNCED)
         if late_join and can_replay:
             self.late = True
             self._recover(0, now)
@@ -82,6 +90,11 @@ class SeqTracker:
             if type(batch) is bytes:  # raw mode: the payload travels undecoded
                 return [Delivery(BATCH, self.publisher, self.topic, seq, None, now, 0, False, "", batch)]
             return [Delivery(BATCH, self.publisher, self.topic, seq, batch, now)]
+        if self.probing:  # the quiet publisher spoke again: the idle probe is moot
+            self.probing = self.recovering = False
+            self.request = None
+            h.received -= 1
+            return self.on_live(seq, batch, now, topic)
         if seq <= self.live_high:
             # the live stream itself went backwards (ZeroMQ keeps one publisher's messages in
             # order): the publisher restarted
@@ -111,6 +124,9 @@ class SeqTracker:
             self.late = False
         if seq < self.expected:
             return out
+        if self.probing:  # a check found batches the live socket never brought: a gap after all
+            self.probing = False
+            self.health.gaps += 1
         if seq > self.expected:
             self._gap(out, self.expected, seq - self.expected, now, "lost")
         self.health.recovered += 1
@@ -128,6 +144,7 @@ class SeqTracker:
                 self.expected = 0
             self.recovering = False
             self.late = False
+            self.probing = False
             self._drain(out, now, may_retry=True)
         return out
 
@@ -168,15 +185,53 @@ class SeqTracker:
         return True
 
     def tick(self, now: float) -> list[Delivery]:
-        """Called as time passes: gives up a replay whose answer did not come in time."""
+        """Called as time passes: gives up a replay whose answer did not come in time (a late
+        join's first one is asked again instead, see the module doc)."""
         out: list[Delivery] = []
         if self.recovering and now >= self.deadline:
+            if self.late and self.expected is None and (not self.pending or self.attempts < self.max_attempts):
+                if self.pending:
+                    self.attempts += 1
+                self.health.join_retries += 1
+                self.health.replay_requests += 1
+                self.request = 0
+                self.deadline = now + self.replay_timeout
+                return out
             self.health.replay_timeouts += 1
             self._abandon(out, now)
         return out
 
+    def restarted(self, now: float) -> list[Delivery]:
+        """The publisher restarted without its seq going backwards: RESET, then its new run from 0.
+
+        Live batches held for a replay belong to the new run: they stay held.
+        """
+        out: list[Delivery] = []
+        self.health.resets += 1
+        out.append(Delivery(RESET, self.publisher, self.topic, 0, None, now))
+        self.expected = 0
+        self.live_high = max(self.pending, default=-1)
+        self.attempts = 0
+        self.probing = False
+        self.late = False
+        self._recover(0, now)
+        return out
+
+    def check(self, now: float, *, probe: bool = False) -> bool:
+        """Ask for replay from the next expected seq with no gap known (False: nothing to ask)."""
+        if self.recovering or self.expected is None or not self.can_replay:
+            return False
+        self.probing = probe
+        if probe:
+            self.health.probes += 1
+        self.recovering = True
+        self.health.replay_requests += 1
+        self.request = self.expected
+        self.deadline = now + self.replay_timeout
+        return True
+
     def state(self, now: float, stale_after: float) -> HealthState:
-        if self.recovering:
+        if self.recovering and not self.probing:
             return HealthState.RECOVERING
         if not self.heard and not self.health.received:
             return HealthState.CONNECTING  # never SYNCED with a publisher we have not heard
@@ -238,8 +293,11 @@ class SeqTracker:
 
     def _abandon(self, out: list[Delivery], now: float) -> None:
         """Replay did not answer (or too much piled up): deliver what is held, gaps named."""
+        if self.late and self.expected is None and self.pending:
+            self.expected = 0  # a late join never heard the stream's start: that is a gap too
         self.recovering = False
         self.late = False
+        self.probing = False
         self.request = None
         self._drain(out, now, may_retry=False)
 

@@ -42,6 +42,12 @@ _SUB_COUNTERS = {
     "kvevents.subscriber.recovered": "recovered",
     "kvevents.subscriber.unrecoverable": "unrecoverable",
     "kvevents.subscriber.resets": "resets",
+    "kvevents.subscriber.probes": "probes",
+    "kvevents.subscriber.join_retries": "join_retries",
+}
+_SUB_TOTALS = {  # subscriber-wide (stats()), not per publisher
+    "kvevents.subscriber.publishers.refused": "publishers_refused",
+    "kvevents.subscriber.publishers.expired": "publishers_expired",
 }
 _STATES = tuple(s.value for s in HealthState)
 _MALFORMED = ("frames", "seq", "payload", "replay")  # the subscriber's kinds: reported from 0
@@ -105,6 +111,15 @@ def observe_subscriber(sub: Any, meter: Meter | None = None, *, attributes: dict
             state = h.state.value
             out.extend((1 if s == state else 0, a(publisher=p, state=s)) for s in _STATES)
         return out
+
+    stats = getattr(sub, "stats", None)
+
+    def total(key: str):
+        return lambda: [(stats().get(key, 0), a())]
+
+    if stats is not None:
+        for metric, key in _SUB_TOTALS.items():
+            obs.add(meter, metric, total(key))
 
     obs.add(meter, "kvevents.subscriber.malformed", malformed)
     obs.add(meter, "kvevents.subscriber.health", health)

@@ -35,6 +35,7 @@ from ...source import EventSource
 from ...tracker import SeqTracker
 from .endpoints import validate_endpoint
 from .frames import END_SEQ, PROBE_SEQ, is_end_marker, is_replay_answer, replay_request
+from .peers import Peer, PeerTable, reconnected
 
 __all__ = ["Subscriber", "PublisherSpec"]
 
@@ -49,19 +50,6 @@ class PublisherSpec:
     endpoint: str | None  #: PUB endpoint to connect to (None in bind mode)
     replay_endpoint: str | None = None
     name: str | None = None  #: identity in deliveries and health; defaults to the endpoint (or topic in bind mode)
-
-
-class _Peer:
-    """Sockets and tracker of one publisher."""
-
-    __slots__ = ("name", "replay_endpoint", "sub", "dealer", "tracker")
-
-    def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker) -> None:
-        self.name = name
-        self.replay_endpoint = replay_endpoint
-        self.sub = None
-        self.dealer = None
-        self.tracker = tracker
 
 
 class Subscriber(EventSource):
@@ -81,6 +69,8 @@ class Subscriber(EventSource):
         rcvhwm: int = 100_000,
         context: zmq.Context | None = None,
         raw: bool = False,
+        max_publishers: int = 1024,
+        tail_probe_after: float | None = 1.0,
     ) -> None:
         self.topic = topic
         #: deliver payloads undecoded (``Delivery.payload``, ``batch`` None): for a consumer that
@@ -94,8 +84,13 @@ class Subscriber(EventSource):
         self.max_pending = max_pending
         self._ctx = context or zmq.Context.instance()
         self._poller = zmq.Poller()
-        self._by_sock: dict[zmq.Socket, tuple[str, _Peer | None]] = {}
-        self._peers: dict[str, _Peer] = {}
+        self._by_sock: dict[zmq.Socket, tuple[str, Peer | None]] = {}
+        if not isinstance(max_publishers, int) or max_publishers <= 0:
+            raise EndpointError(f"max_publishers must be a positive int, got {max_publishers!r}")
+        #: publishers, bounded (bind mode learns them from topics: ``max_publishers``); idle
+        #: ones get a replay probe after ``tail_probe_after`` seconds (None: never), see .peers
+        self._table = PeerTable(max_publishers, stale_after, tail_probe_after)
+        self._peers: dict[str, Peer] = self._table.by_name
         self._malformed: dict[str, int] = {}  # malformed frames on a shared (bind-mode) socket
         self._rcvhwm = rcvhwm
         self._replay_map = dict(replay_endpoints or {})
@@ -155,27 +150,38 @@ class Subscriber(EventSource):
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         return sock
 
-    def _register(self, sock: zmq.Socket, kind: str, peer: _Peer | None) -> None:
+    def _register(self, sock: zmq.Socket, kind: str, peer: Peer | None) -> None:
         self._poller.register(sock, zmq.POLLIN)
         self._by_sock[sock] = (kind, peer)
 
-    def _make_peer(self, name: str, replay_endpoint: str | None, topic: str = "") -> _Peer:
+    def _make_peer(self, name: str, replay_endpoint: str | None, topic: str = "", bind: bool = False) -> Peer:
         if name in self._peers:
             raise EndpointError(f"two publishers share the identity {name!r}: give them distinct names")
+        now = time.time()
         tracker = SeqTracker(name, topic, can_replay=bool(replay_endpoint), late_join=self.late_join,
-                             replay_timeout=self.replay_timeout, max_pending=self.max_pending, now=time.time())
-        peer = _Peer(name, replay_endpoint, tracker)
-        self._peers[name] = peer
+                             replay_timeout=self.replay_timeout, max_pending=self.max_pending, now=now)
+        peer = Peer(name, replay_endpoint, tracker, bind)
+        self._table.add(peer, now)
         return peer
+
+    def _learn(self, topic: str, now: float) -> Peer | None:
+        """A bind-mode publisher first heard under ``topic``: a new peer, if the bound allows."""
+        ok, expired = self._table.make_room(now)
+        if expired is not None:
+            self._drop_dealer(expired)
+        return self._make_peer(topic, self._replay_map.get(topic), topic, bind=True) if ok else None
 
     def _add_peer(self, spec: PublisherSpec) -> None:
         peer = self._make_peer(spec.name or spec.endpoint, spec.replay_endpoint)
         peer.sub = self._new_sub()
+        if spec.replay_endpoint:  # reconnects trigger the restart check (see .peers)
+            peer.monitor = peer.sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+            self._register(peer.monitor, "monitor", peer)
         peer.sub.connect(spec.endpoint)
         self._register(peer.sub, "live", peer)
         self._send_request(peer)
 
-    def _dealer(self, peer: _Peer) -> zmq.Socket:
+    def _dealer(self, peer: Peer) -> zmq.Socket:
         if peer.dealer is None:
             peer.dealer = self._ctx.socket(zmq.DEALER)
             peer.dealer.setsockopt(zmq.LINGER, 0)
@@ -183,7 +189,7 @@ class Subscriber(EventSource):
             self._register(peer.dealer, "replay", peer)
         return peer.dealer
 
-    def _drop_dealer(self, peer: _Peer) -> None:
+    def _drop_dealer(self, peer: Peer) -> None:
         """Forget a replay socket so late answers to an abandoned request cannot arrive."""
         if peer.dealer is not None:
             self._poller.unregister(peer.dealer)
@@ -191,13 +197,15 @@ class Subscriber(EventSource):
             peer.dealer.close(0)
             peer.dealer = None
 
-    def _send_request(self, peer: _Peer) -> None:
+    def _send_request(self, peer: Peer, strict: bool = False) -> None:
         start = peer.tracker.request
         if start is None or not peer.replay_endpoint:
             return
         peer.tracker.request = None
+        self._table.active.add(peer)
         self._drop_dealer(peer)  # a fresh socket per request: no stale answers mixed in
-        self._dealer(peer).send_multipart(replay_request(start), zmq.NOBLOCK)
+        # from the last delivered batch when it is close: its payload must not have changed
+        self._dealer(peer).send_multipart(replay_request(peer.replay_start(start, strict)), zmq.NOBLOCK)
         if self.hooks is not None:
             self.hooks.on_replay_request(peer.name, peer.tracker.topic, start)
 
@@ -214,6 +222,10 @@ class Subscriber(EventSource):
         for sock, _ in ready:
             kind, peer = self._by_sock.get(sock, (None, None))
             if kind is None:
+                continue
+            if kind == "monitor":
+                if reconnected(peer):
+                    self._check_reconnect(peer, now)
                 continue
             if tap is not None:
                 where = ("replay" if kind == "replay" else "pub", None if peer is None else peer.name)
@@ -235,7 +247,12 @@ class Subscriber(EventSource):
                         break
                 else:
                     self._on_live(peer, frames, now, out)
-        for peer in list(self._peers.values()):
+        table = self._table
+        if table.probe_after is not None:
+            for peer in table.due_probes(now):
+                if peer.tracker.check(now, probe=True):
+                    self._send_request(peer)
+        for peer in list(table.active):  # O(active): idle publishers cost nothing here
             tracker = peer.tracker
             if tracker.recovering:
                 out.extend(tracker.tick(now))
@@ -245,27 +262,49 @@ class Subscriber(EventSource):
                         self.hooks.on_replay_end(peer.name, False)
             if tracker.request is not None:
                 self._send_request(peer)
+            elif not tracker.recovering:
+                table.active.discard(peer)
+                self._drop_dealer(peer)
         if self.hooks is not None and out:
             self.hooks.on_deliveries(out)
         return out
 
-    def _count(self, peer: _Peer | None, kind: str) -> None:
+    def _count(self, peer: Peer | None, kind: str) -> None:
         d = peer.tracker.health.malformed if peer else self._malformed
         d[kind] = d.get(kind, 0) + 1
 
-    def _on_live(self, peer: _Peer | None, frames: list[bytes], now: float, out: list[Delivery]) -> None:
+    def _check_reconnect(self, peer: Peer, now: float) -> None:
+        """The SUB socket connected again: maybe to another run. Replay from the anchor, strictly."""
+        tracker = peer.tracker
+        if peer.anchor is None or tracker.expected is None:
+            return
+        if not tracker.check(now):  # a replay already in flight: ask again, from the anchor
+            tracker.request = tracker.expected
+            tracker.deadline = now + tracker.replay_timeout
+        self._send_request(peer, strict=True)
+
+    def _restart(self, peer: Peer, now: float, out: list[Delivery]) -> None:
+        """The anchor's payload changed under its seq: another run. RESET, then it from 0."""
+        out.extend(peer.tracker.restarted(now))
+        peer.anchor, peer.anchor_seq = None, -1
+        self._send_request(peer)
+
+    def _on_live(self, peer: Peer | None, frames: list[bytes], now: float, out: list[Delivery]) -> None:
         if len(frames) != 3:
             self._count(peer, "frames")
             return
         topic_b, seq_b, payload = frames
+        if len(seq_b) != 8:  # validated before a bind-mode peer is made for its topic
+            self._count(peer, "seq")
+            return
         topic = topic_b.decode(errors="replace")
         if peer is None:  # bind mode: the topic names the publisher
             peer = self._peers.get(topic)
             if peer is None:
-                peer = self._make_peer(topic, self._replay_map.get(topic), topic)
-        if len(seq_b) != 8:
-            self._count(peer, "seq")
-            return
+                peer = self._learn(topic, now)
+                if peer is None:
+                    return  # refused: at max_publishers (counted)
+            self._table.heard(peer)
         hooks = self.hooks
         if hooks is not None:
             t0 = time.time_ns()  # (~50 ns; the seq is not known until after the decode)
@@ -280,13 +319,19 @@ class Subscriber(EventSource):
         seq = int.from_bytes(seq_b, "big")
         if hooks is not None and not seq % hooks.every:  # live receive hooks: sampled seqs only
             hooks.on_receive(peer.name, topic, seq, batch, len(payload), t0, False)
-        out.extend(peer.tracker.on_live(seq, batch, now, topic))
-        if peer.tracker.request is not None:
+        tracker = peer.tracker
+        out.extend(tracker.on_live(seq, batch, now, topic))
+        if tracker.expected == seq + 1:  # delivered (or the latest delivered): the restart anchor
+            peer.anchor_seq, peer.anchor = seq, payload
+        if tracker.request is not None:
             self._send_request(peer)
 
-    def _on_replay(self, peer: _Peer, frames: list[bytes], now: float, out: list[Delivery]) -> None:
+    def _on_replay(self, peer: Peer, frames: list[bytes], now: float, out: list[Delivery]) -> None:
         tracker = peer.tracker
         if is_end_marker(frames):
+            if peer.checking >= 0 and peer.verdict(None, None):
+                self._restart(peer, now, out)
+                return
             out.extend(tracker.on_replay_end(now))
             self._drop_dealer(peer)
             if self.hooks is not None:
@@ -296,6 +341,10 @@ class Subscriber(EventSource):
             return
         if not is_replay_answer(frames):
             self._count(peer, "replay")
+            return
+        seq = int.from_bytes(frames[2], "big")
+        if peer.checking >= 0 and peer.verdict(seq, frames[3]):
+            self._restart(peer, now, out)
             return
         hooks = self.hooks
         if hooks is not None:
@@ -308,10 +357,11 @@ class Subscriber(EventSource):
             except DecodeError:
                 self._count(peer, "payload")
                 batch = None
-        seq = int.from_bytes(frames[2], "big")
         if hooks is not None:
             hooks.on_receive(peer.name, frames[1].decode(errors="replace"), seq, batch, len(frames[3]), t0, True)
         out.extend(tracker.on_replay(seq, batch, now))
+        if tracker.expected == seq + 1:
+            peer.anchor_seq, peer.anchor = seq, frames[3]
 
     def rejoin(self, publisher: str) -> bool:
         """Ask ``publisher``'s replay socket again for everything from seq 0, if nothing has been
@@ -369,12 +419,15 @@ class Subscriber(EventSource):
 
     def stats(self) -> dict[str, int]:
         """Counters summed over publishers (malformed by kind as ``malformed_<kind>``)."""
-        totals = {"publishers": len(self._peers), "received": 0, "gaps": 0, "recovered": 0,
-                  "unrecoverable": 0, "resets": 0, "malformed": 0}
+        table = self._table
+        totals = {"publishers": len(table), "publishers_active": len(table.active),
+                  "publishers_refused": table.refused, "publishers_expired": table.expired, "received": 0,
+                  "gaps": 0, "recovered": 0, "unrecoverable": 0, "resets": 0, "probes": 0, "join_retries": 0,
+                  "malformed": 0}
         kinds: dict[str, int] = dict(self._malformed)
         for peer in self._peers.values():
             h = peer.tracker.health
-            for k in ("received", "gaps", "recovered", "unrecoverable", "resets"):
+            for k in ("received", "gaps", "recovered", "unrecoverable", "resets", "probes", "join_retries"):
                 totals[k] += getattr(h, k)
             for k, v in h.malformed.items():
                 kinds[k] = kinds.get(k, 0) + v
@@ -416,6 +469,9 @@ class Subscriber(EventSource):
         if self._closed:
             return
         self._closed = True
+        for peer in self._peers.values():
+            if peer.monitor is not None:
+                peer.sub.disable_monitor()
         for sock in list(self._by_sock):
             sock.close(0)
         self._by_sock.clear()

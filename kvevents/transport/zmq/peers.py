@@ -1,0 +1,175 @@
+"""The subscriber's publishers: a bounded table, the few that need attention, and their checks.
+
+* A :class:`Peer` is one publisher: its SUB socket (connect mode), replay DEALER, socket
+  monitor, :class:`~kvevents.tracker.SeqTracker`, and the *anchor* — the seq and payload of
+  the last batch delivered — that restart detection compares against.
+* :class:`PeerTable` bounds the publishers a bind-mode subscriber learns from topics
+  (``max_publishers``): at the bound the longest-silent one is expired if it has been silent
+  past ``stale_after`` (``publishers_expired``), else the new topic is refused
+  (``publishers_refused``). It keeps the *active* set (peers with a replay outstanding or to
+  send) so an idle poll costs O(active), not O(publishers), and a heap of idle-probe times.
+
+Restart detection without a run id on the wire (vLLM's frames have none): every replay a
+subscriber asks for starts one batch early when it can, at the anchor; the publisher's copy
+of that batch must be the anchor's payload. Another payload under the same seq, or (after the
+SUB socket reconnected) no batch at that seq at all, means another run: RESET.
+
+Idle-tail probes: a publisher silent for ``probe_after`` seconds gets a replay request from
+its next expected seq (the anchor included, so it is a restart check too); batches coming back
+were lost at the end of a burst and are delivered as a healed gap. Probes back off (doubling,
+up to ``max(stale_after, probe_after)``) while the publisher stays silent; a live batch resets
+the interval. A probe that finds nothing reports nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+
+import zmq
+
+from ...tracker import SeqTracker
+
+__all__ = ["Peer", "PeerTable", "CHECK_GAP", "CHECK_RECONNECT"]
+
+#: verify the anchor on a gap's replay: a different payload is a restart; an evicted anchor is not
+CHECK_GAP = 1
+#: verify after the SUB socket reconnected: a different payload, or no batch at the anchor's seq, is a restart
+CHECK_RECONNECT = 2
+#: most batches a gap's replay re-asks for to reach the anchor (a reconnect check has no limit)
+MAX_ANCHOR_LAG = 64
+
+
+class Peer:
+    """Sockets, tracker and restart anchor of one publisher."""
+
+    __slots__ = ("name", "replay_endpoint", "sub", "dealer", "monitor", "tracker", "anchor_seq", "anchor",
+                 "checking", "check_kind", "connects", "probe_ivl", "probed_at", "gone", "bind")
+
+    def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker, bind: bool = False) -> None:
+        self.name = name
+        self.replay_endpoint = replay_endpoint
+        self.sub = None
+        self.dealer = None
+        self.monitor = None
+        self.tracker = tracker
+        self.anchor_seq = -1  #: seq of the last delivered batch whose payload is ``anchor``
+        self.anchor: bytes | None = None
+        self.checking = -1  #: the anchor seq the replay in flight must start with (-1: none)
+        self.check_kind = 0
+        self.connects = 0  #: SUB socket connections made (a second one is a reconnect)
+        self.probe_ivl = 0.0
+        self.probed_at = 0.0
+        self.gone = False  #: expired from the table (its heap entry is skipped)
+        self.bind = bind  #: learnt from a topic on the bind socket (may be expired)
+
+    def replay_start(self, start: int, strict: bool) -> int:
+        """Where to start a replay asked from ``start``: at the anchor when it is close enough."""
+        if self.anchor is not None and self.anchor_seq < start and (strict or start - self.anchor_seq <= MAX_ANCHOR_LAG):
+            self.checking = self.anchor_seq
+            self.check_kind = CHECK_RECONNECT if strict else CHECK_GAP
+            return self.anchor_seq
+        self.checking = -1
+        self.check_kind = 0
+        return start
+
+    def verdict(self, seq: int | None, payload: bytes | None) -> bool:
+        """The first answer of a checked replay (``seq`` None: the end marker): True if a restart."""
+        kind, anchor_seq = self.check_kind, self.checking
+        self.checking = -1
+        self.check_kind = 0
+        if seq == anchor_seq:
+            return payload != self.anchor
+        return kind == CHECK_RECONNECT  # the anchor is not there: unverifiable, and after a reconnect that is a new run
+
+
+class PeerTable:
+    """Publishers by name, bounded for the bind-mode ones, with the active set and probe timers."""
+
+    def __init__(self, max_publishers: int, stale_after: float, probe_after: float | None) -> None:
+        self.by_name: dict[str, Peer] = {}
+        self.active: set[Peer] = set()  # a replay outstanding, or a request to send
+        self._lru: OrderedDict[str, Peer] = OrderedDict()  # bind-mode peers, least recently heard first
+        self._timers: list[tuple[float, int, Peer]] = []
+        self._n = 0
+        self.max_publishers = max_publishers
+        self.stale_after = stale_after
+        self.probe_after = probe_after
+        self.refused = 0
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+    def add(self, peer: Peer, now: float) -> None:
+        self.by_name[peer.name] = peer
+        if peer.bind:
+            self._lru[peer.name] = peer
+        if self.probe_after is not None and peer.replay_endpoint:
+            peer.probe_ivl = self.probe_after
+            self._schedule(peer, now + self.probe_after)
+
+    def make_room(self, now: float) -> tuple[bool, Peer | None]:
+        """Room for one more bind-mode peer? ``(ok, expired peer to close or None)``."""
+        if len(self.by_name) < self.max_publishers:
+            return True, None
+        if self._lru:
+            oldest = next(iter(self._lru.values()))
+            if now - oldest.tracker.health.last_recv_ts > self.stale_after:
+                self.remove(oldest)
+                self.expired += 1
+                return True, oldest
+        self.refused += 1
+        return False, None
+
+    def heard(self, peer: Peer) -> None:
+        """A bind-mode peer spoke: it is the most recently heard."""
+        self._lru.move_to_end(peer.name)
+
+    def remove(self, peer: Peer) -> None:
+        peer.gone = True
+        self.by_name.pop(peer.name, None)
+        self._lru.pop(peer.name, None)
+        self.active.discard(peer)
+
+    def _schedule(self, peer: Peer, when: float) -> None:
+        self._n += 1
+        heapq.heappush(self._timers, (when, self._n, peer))
+
+    def due_probes(self, now: float) -> list[Peer]:
+        """Peers silent long enough to be probed now (each rescheduled); O(due), not O(publishers)."""
+        out = []
+        timers = self._timers
+        base = self.probe_after
+        cap = max(self.stale_after, base or 0.0)
+        while timers and timers[0][0] <= now:
+            _, _, peer = heapq.heappop(timers)
+            if peer.gone:
+                continue
+            heard = peer.tracker.health.last_recv_ts
+            if heard > peer.probed_at:  # live traffic since the last probe: the interval starts over
+                peer.probe_ivl = base
+                if heard + base > now:
+                    self._schedule(peer, heard + base)
+                    continue
+            peer.probed_at = now
+            self._schedule(peer, now + peer.probe_ivl)
+            peer.probe_ivl = min(cap, peer.probe_ivl * 2)
+            out.append(peer)
+        return out
+
+
+def reconnected(peer: Peer) -> bool:
+    """Read the peer's SUB monitor: True when a connection followed an earlier one."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    again = False
+    while True:
+        try:
+            msg = recv_monitor_message(peer.monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return again
+        if msg["event"] == zmq.EVENT_CONNECTED:
+            peer.connects += 1
+            if peer.connects > 1:
+                again = True
