@@ -343,9 +343,13 @@ class Subscriber(EventSource):
             self._count(peer, "replay")
             return
         seq = int.from_bytes(frames[2], "big")
-        if peer.checking >= 0 and peer.verdict(seq, frames[3]):
-            self._restart(peer, now, out)
-            return
+        anchor = peer.checking
+        if anchor >= 0:
+            if peer.verdict(seq, frames[3]):
+                self._restart(peer, now, out)
+                return
+            if seq == anchor:  # the anchor itself, unchanged: delivered before, nothing to do
+                return
         hooks = self.hooks
         if hooks is not None:
             t0 = time.time_ns()
