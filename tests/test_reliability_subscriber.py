@@ -19,7 +19,7 @@ def _after_reset(got):
 
 def test_restart_past_the_last_seq_is_a_reset_not_a_splice() -> None:
     """Killed at seq s, restarted, the new run past s when the subscriber hears it again: the
-    gap's replay fingerprints the last delivered batch, finds another run, says RESET and
+    reconnect's replay fingerprints the last delivered batch, finds another run, says RESET and
     delivers the new run from 0 — never the new run's s+1.. as if they continued the old one."""
     ep, rep = ipc_pair()
     pub = ZmqEventPublisher(ep, rep)
@@ -78,9 +78,8 @@ def test_restart_landing_on_the_expected_seq_is_caught_on_reconnect() -> None:
         pub.shutdown()
 
 
-def test_a_gap_in_the_same_run_passes_the_fingerprint_check() -> None:
-    """A gap's replay starts one batch early, at the last delivered one: same payload, same run:
-    no RESET, the gap healed."""
+def test_a_gap_in_the_same_run_is_healed_not_reset() -> None:
+    """No reconnect, a gap: replay from the first missing seq as before, no RESET."""
     ep, rep = ipc_pair()
     drop: set[int] = set()
     pub = ZmqEventPublisher(ep, rep, drop_live=lambda s: s in drop)

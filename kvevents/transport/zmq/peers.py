@@ -9,10 +9,15 @@
   (``publishers_refused``). It keeps the *active* set (peers with a replay outstanding or to
   send) so an idle poll costs O(active), not O(publishers), and a heap of idle-probe times.
 
-Restart detection without a run id on the wire (vLLM's frames have none): every replay a
-subscriber asks for starts one batch early when it can, at the anchor; the publisher's copy
-of that batch must be the anchor's payload. Another payload under the same seq, or (after the
-SUB socket reconnected) no batch at that seq at all, means another run: RESET.
+Restart detection without a run id on the wire (vLLM's frames have none): a restarted
+publisher is a new connection, so when the SUB socket's monitor reports a reconnect the
+subscriber holds live batches and asks for replay from the anchor's seq; the publisher's copy
+of that batch must be the anchor's payload. Another payload under that seq, or no batch at it
+at all (the new ring is behind, or has moved past it), means another run: RESET, then the new
+run from seq 0. The monitor's event precedes the new connection's first message (the
+handshake completes before data flows, and the monitor is polled before the SUB socket), so
+the new run's batches are held, not spliced. Gap replays and idle probes ask from the next
+expected seq as vLLM's subscriber would (the wire is unchanged for them).
 
 Idle-tail probes: a publisher silent for ``probe_after`` seconds gets a replay request from
 its next expected seq (the anchor included, so it is a restart check too); batches coming back
@@ -30,21 +35,17 @@ import zmq
 
 from ...tracker import SeqTracker
 
-__all__ = ["Peer", "PeerTable", "CHECK_GAP", "CHECK_RECONNECT"]
+__all__ = ["Peer", "PeerTable", "CHECK_RECONNECT", "reconnected"]
 
-#: verify the anchor on a gap's replay: a different payload is a restart; an evicted anchor is not
-CHECK_GAP = 1
 #: verify after the SUB socket reconnected: a different payload, or no batch at the anchor's seq, is a restart
 CHECK_RECONNECT = 2
-#: most batches a gap's replay re-asks for to reach the anchor (a reconnect check has no limit)
-MAX_ANCHOR_LAG = 64
 
 
 class Peer:
     """Sockets, tracker and restart anchor of one publisher."""
 
     __slots__ = ("name", "replay_endpoint", "sub", "dealer", "monitor", "tracker", "anchor_seq", "anchor",
-                 "checking", "check_kind", "connects", "probe_ivl", "probed_at", "gone", "bind")
+                 "anchor_run", "checking", "check_kind", "connects", "probe_ivl", "probed_at", "gone", "bind")
 
     def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker, bind: bool = False) -> None:
         self.name = name
@@ -55,6 +56,7 @@ class Peer:
         self.tracker = tracker
         self.anchor_seq = -1  #: seq of the last delivered batch whose payload is ``anchor``
         self.anchor: bytes | None = None
+        self.anchor_run = 0  #: the tracker's ``resets`` when the anchor was taken (a RESET voids it)
         self.checking = -1  #: the anchor seq the replay in flight must start with (-1: none)
         self.check_kind = 0
         self.connects = 0  #: SUB socket connections made (a second one is a reconnect)
@@ -64,14 +66,17 @@ class Peer:
         self.bind = bind  #: learnt from a topic on the bind socket (may be expired)
 
     def replay_start(self, start: int, strict: bool) -> int:
-        """Where to start a replay asked from ``start``: at the anchor when it is close enough."""
-        if self.anchor is not None and self.anchor_seq < start and (strict or start - self.anchor_seq <= MAX_ANCHOR_LAG):
+        """Where to start a replay asked from ``start``: at the anchor for a reconnect check."""
+        if strict and self.has_anchor() and self.anchor_seq < start:
             self.checking = self.anchor_seq
-            self.check_kind = CHECK_RECONNECT if strict else CHECK_GAP
+            self.check_kind = CHECK_RECONNECT
             return self.anchor_seq
         self.checking = -1
         self.check_kind = 0
         return start
+
+    def has_anchor(self) -> bool:
+        return self.anchor is not None and self.anchor_run == self.tracker.health.resets
 
     def verdict(self, seq: int | None, payload: bytes | None) -> bool:
         """The first answer of a checked replay (``seq`` None: the end marker): True if a restart."""

@@ -276,7 +276,7 @@ class Subscriber(EventSource):
     def _check_reconnect(self, peer: Peer, now: float) -> None:
         """The SUB socket connected again: maybe to another run. Replay from the anchor, strictly."""
         tracker = peer.tracker
-        if peer.anchor is None or tracker.expected is None:
+        if not peer.has_anchor() or tracker.expected is None:
             return
         if not tracker.check(now):  # a replay already in flight: ask again, from the anchor
             tracker.request = tracker.expected
@@ -322,7 +322,7 @@ class Subscriber(EventSource):
         tracker = peer.tracker
         out.extend(tracker.on_live(seq, batch, now, topic))
         if tracker.expected == seq + 1:  # delivered (or the latest delivered): the restart anchor
-            peer.anchor_seq, peer.anchor = seq, payload
+            peer.anchor_seq, peer.anchor, peer.anchor_run = seq, payload, tracker.health.resets
         if tracker.request is not None:
             self._send_request(peer)
 
@@ -365,7 +365,7 @@ class Subscriber(EventSource):
             hooks.on_receive(peer.name, frames[1].decode(errors="replace"), seq, batch, len(frames[3]), t0, True)
         out.extend(tracker.on_replay(seq, batch, now))
         if tracker.expected == seq + 1:
-            peer.anchor_seq, peer.anchor = seq, frames[3]
+            peer.anchor_seq, peer.anchor, peer.anchor_run = seq, frames[3], tracker.health.resets
 
     def rejoin(self, publisher: str) -> bool:
         """Ask ``publisher``'s replay socket again for everything from seq 0, if nothing has been
