@@ -19,9 +19,9 @@ sequence order, without duplicates:
   restart that kept the seq going up) is a RESET, then the new run from seq 0 by replay;
 * ``check()`` asks for replay with no known gap (after a reconnect, or a quiet publisher's idle
   probe): whatever comes back past the last delivered seq is delivered as a healed gap;
-* a late join's initial replay is asked again each ``replay_timeout`` until it is answered
-  (``join_retries``); once live batches are held, at most ``max_attempts`` times, after which
-  the start of the stream the subscriber never saw is a GAP.
+* a late join whose initial replay was not answered (the socket layer asks again with
+  ``rejoin()`` while nothing was delivered) and that then gives up with live batches held
+  reports the start of the stream it never saw as a GAP from seq 0.
 
 What arrives (``item``) is a decoded :class:`KVEventBatch`, or the payload bytes for a raw
 subscriber (the tracker does not look inside), or None for an undecodable payload. A BATCH
@@ -185,18 +185,9 @@ class SeqTracker:
         return True
 
     def tick(self, now: float) -> list[Delivery]:
-        """Called as time passes: gives up a replay whose answer did not come in time (a late
-        join's first one is asked again instead, see the module doc)."""
+        """Called as time passes: gives up a replay whose answer did not come in time."""
         out: list[Delivery] = []
         if self.recovering and now >= self.deadline:
-            if self.late and self.expected is None and (not self.pending or self.attempts < self.max_attempts):
-                if self.pending:
-                    self.attempts += 1
-                self.health.join_retries += 1
-                self.health.replay_requests += 1
-                self.request = 0
-                self.deadline = now + self.replay_timeout
-                return out
             self.health.replay_timeouts += 1
             self._abandon(out, now)
         return out

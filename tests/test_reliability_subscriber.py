@@ -248,20 +248,15 @@ def test_late_join_outlives_a_publisher_that_starts_late() -> None:
 
 
 def test_late_join_without_a_replay_answer_reports_the_start_as_a_gap() -> None:
-    """A late join whose replay socket never answers: once live batches arrive and the retries
-    are spent, the unseen start of the stream is a GAP, not silence."""
+    """A late join whose replay socket never answers: once live batches are held and the asked-
+    again replay times out too, the unseen start of the stream is a GAP, not silence."""
     from kvevents.tracker import SeqTracker
     t = SeqTracker("p", can_replay=True, late_join=True, replay_timeout=1.0, now=0.0)
     assert t.request == 0
     t.request = None
-    assert t.tick(1.5) == [] and t.request == 0 and t.health.join_retries == 1  # no answer: asked again
+    assert t.tick(1.5) == [] and t.rejoin(1.5) and t.request == 0  # no answer: asked again
     t.request = None
     assert t.on_live(7, batch(7), 2.0) == []  # held while the join replay is outstanding
-    out = []
-    now = 2.0
-    for _ in range(10):
-        now += 1.1
-        out += t.tick(now)
-        t.request = None
+    out = t.tick(2.6)
     assert [(d.kind, d.seq, d.missed) for d in out] == [(GAP, 0, 7), (BATCH, 7, 0)]
     assert t.health.unrecoverable == 7

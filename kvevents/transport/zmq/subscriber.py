@@ -260,6 +260,8 @@ class Subscriber(EventSource):
                     self._drop_dealer(peer)
                     if self.hooks is not None:
                         self.hooks.on_replay_end(peer.name, False)
+                    if self.late_join and tracker.rejoin(now):  # the publisher is not up yet: ask again
+                        tracker.health.join_retries += 1
             if tracker.request is not None:
                 self._send_request(peer)
             elif not tracker.recovering:
