@@ -81,7 +81,14 @@ class PublisherStats:
     replay_batches_served: int = 0
     replay_rate_limited: int = 0  #: requests that had to wait for their client's token bucket
     replay_malformed: int = 0  #: replay requests with a bad shape
-    replay_aborted: int = 0  #: replays cut short (client gone or not reading)
+    replay_aborted: int = 0  #: replays cut short (client gone, not reading, or no room in the replay budget)
+    replay_stalled: int = 0  #: of those, replays whose client stopped reading (its byte budget full, no progress)
+    replay_refused: int = 0  #: requests refused: the client's earlier answer sits unread, or too many clients
+    replay_superseded: int = 0  #: requests replaced by a newer one from the same client
+    replays_completed: int = 0  #: replays answered to the end marker
+    replay_outstanding_bytes: int = 0  #: replay bytes queued toward clients, not yet taken by their connections
+    replay_active: int = 0  #: replays in progress
+    pub_hwm: int = 0  #: the PUB socket's per-subscriber queue bound (messages), from hwm / hwm_bytes
     live_dropped: int = 0  #: batches kept off the live socket by the drop_live fault injector
 
 

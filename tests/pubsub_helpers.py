@@ -58,7 +58,10 @@ def wait_connected(pub, sub, *, deadline: float = 10.0) -> int:
     """Publish probe batches until the subscriber sees one (the ZeroMQ slow-joiner); returns the next seq."""
     got = collect(sub, lambda g: any(d.kind is DeliveryKind.BATCH for d in g), deadline=deadline,
                   pump=lambda: pub.publish(batch(-1)))
-    return max(seqs(got)) + 1
+    last = getattr(pub, "next_seq", max(seqs(got)) + 1) - 1
+    if max(seqs(got)) < last:  # probes still in flight: take them too, or they land in the test's window
+        collect(sub, lambda g: bool(g) and max(seqs(g), default=-1) >= last, deadline=deadline)
+    return last + 1
 
 
 def collect_until(cond, *, deadline: float = 10.0) -> bool:

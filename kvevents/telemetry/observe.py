@@ -32,9 +32,15 @@ _PUB_COUNTERS = {
     "kvevents.publisher.replay.requests": "replay_requests",
     "kvevents.publisher.replay.served": "replay_batches_served",
     "kvevents.publisher.replay.rate_limited": "replay_rate_limited",
+    "kvevents.publisher.replay.refused": "replay_refused",
+    "kvevents.publisher.replay.superseded": "replay_superseded",
+    "kvevents.publisher.replay.completed": "replays_completed",
+    "kvevents.publisher.replay.active": "replay_active",
+    "kvevents.publisher.replay.outstanding": "replay_outstanding_bytes",
+    "kvevents.publisher.pub.hwm": "pub_hwm",
 }
 _PUB_ERRORS = {"encode": "encode_errors", "send": "send_errors", "replay_malformed": "replay_malformed",
-               "replay_aborted": "replay_aborted"}
+               "replay_aborted": "replay_aborted", "replay_stalled": "replay_stalled"}
 
 _SUB_COUNTERS = {
     "kvevents.subscriber.received": "received",

@@ -92,6 +92,11 @@ class ZmqEventPublisher(EventPublisher):
         overflow: str = "replay_only",
         replay_rate: float = 20.0,
         replay_burst: int = 5,
+        replay_client_bytes: int = 4 << 20,
+        replay_buffer_bytes: int = 32 << 20,
+        replay_stall_timeout: float = 2.0,
+        hwm_bytes: int | None = 64 << 20,
+        mean_batch_bytes: int = 2048,
         mode: str = "auto",
         legacy: bool = False,
         context: zmq.Context | None = None,
@@ -101,9 +106,13 @@ class ZmqEventPublisher(EventPublisher):
         if overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
         for name, value in (("buffer_steps", buffer_steps), ("buffer_bytes", buffer_bytes),
-                            ("max_queue_size", max_queue_size), ("replay_burst", replay_burst)):
+                            ("max_queue_size", max_queue_size), ("replay_burst", replay_burst),
+                            ("replay_client_bytes", replay_client_bytes), ("replay_buffer_bytes", replay_buffer_bytes),
+                            ("mean_batch_bytes", mean_batch_bytes), ("hwm_bytes", 1 if hwm_bytes is None else hwm_bytes)):
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if not replay_stall_timeout > 0:
+            raise ConfigError(f"replay_stall_timeout must be > 0, got {replay_stall_timeout!r}")
         if hwm < 0 or replay_rate <= 0:
             raise ConfigError(f"hwm must be >= 0 and replay_rate > 0, got hwm={hwm!r} replay_rate={replay_rate!r}")
         self.endpoint = offset_endpoint(validate_endpoint(endpoint), data_parallel_rank)
@@ -141,6 +150,12 @@ class ZmqEventPublisher(EventPublisher):
 
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
+        # SNDHWM counts messages, per subscriber: with hwm_bytes it is also held under
+        # hwm_bytes / mean_batch_bytes, so a stuck subscriber costs about hwm_bytes, not hwm batches
+        if hwm_bytes is not None:
+            by_bytes = max(1, hwm_bytes // mean_batch_bytes)
+            hwm = by_bytes if hwm == 0 else min(hwm, by_bytes)
+        self._stats.pub_hwm = hwm
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = None
@@ -151,7 +166,9 @@ class ZmqEventPublisher(EventPublisher):
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint:
                 self._replay = ReplayServer.bind(self._ctx, self.replay_endpoint, self._ring, self._stats,
-                                                 rate=replay_rate, burst=replay_burst, hooks=lambda: self.hooks)
+                                                 rate=replay_rate, burst=replay_burst, hooks=lambda: self.hooks,
+                                                 client_bytes=replay_client_bytes, total_bytes=replay_buffer_bytes,
+                                                 stall_timeout=replay_stall_timeout)
         except zmq.ZMQError as exc:
             self._pub.close(0)
             raise EndpointError(

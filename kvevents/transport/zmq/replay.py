@@ -1,29 +1,77 @@
 """The replay server: a ROUTER socket answering ``[b"", start_seq]`` from a publisher's ring.
 
-It runs on its own thread, so a large replay never stalls live publishing; it serves in
-chunks and polls for POLLOUT with a bound, so a client that stops reading is cut off
-(``replay_aborted``) instead of holding the thread. Each client (ZeroMQ identity) is
-rate-limited by a token bucket: a request over the limit waits for its turn
-(``replay_rate_limited``, counted once per waiting request); a newer request from the same
-client replaces its pending one. Frame shapes: :mod:`kvevents.transport.zmq.frames`.
+It runs on its own thread, so a large replay never stalls live publishing. What it promises
+under hostile or stuck clients:
+
+* **Bounded memory.** What it has queued toward clients and ZeroMQ has not yet handed to the
+  connection is accounted per client: each chunk's last message is sent zero-copy and
+  *tracked* (pyzmq's ``MessageTracker``), and a client's pipe empties in order, so a chunk is
+  released when its last message is. A client holding ``client_bytes`` unreleased gets
+  nothing more until it reads; all clients together hold at most ``total_bytes`` (plus one
+  chunk each). A client that makes no progress for ``stall_timeout`` seconds has its replay
+  aborted (``replay_stalled``, and ``replay_aborted``); its further requests are refused while
+  its earlier answer sits unread (``replay_refused``). The ROUTER's ``SNDHWM`` (messages) is
+  a backstop; a send at it is not queued (ROUTER_MANDATORY + non-blocking). So the process
+  holds at most ring bytes + ``total_bytes`` + a chunk per client for replay, however many
+  requests arrive (``replay_outstanding_bytes`` shows the queued part).
+* **Fair service.** Active replays are served round-robin, one chunk (``CHUNK`` batches or
+  ``CHUNK_BYTES``) per client per round: a one-batch request waits for at most one chunk of
+  each other replay, not for whole rings.
+* **Rate limits.** Each client (ZeroMQ identity) has a token bucket: a request over the limit
+  waits for its turn (``replay_rate_limited``, once per waiting request); a newer request from
+  the same client replaces its pending or running one (``replay_superseded``).
+
+A replay covers the batches the ring holds from ``start`` up to the newest one when the replay
+began; batches evicted while a slow replay runs are skipped (the client sees the seq jump and
+reports the gap). Frame shapes: :mod:`kvevents.transport.zmq.frames`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any
 
 import zmq
 
 from ...publisher_base import PublisherStats, _Ring
-from .frames import end_marker, parse_replay_request, replay_answer
+from .frames import END_SEQ, SEQ_BYTES, parse_replay_request
 
 __all__ = ["ReplayServer"]
 
-#: idle replay clients remembered (their token buckets) before the idle ones are forgotten
+#: replay clients remembered at once (token buckets, replays in progress); past it requests are refused
 MAX_CLIENTS = 4096
+#: most batches, and bytes, sent to one client per round of the fair schedule
+CHUNK = 64
+CHUNK_BYTES = 256 << 10
+#: libzmq's own bookkeeping per queued message (msg_t structs, pipe slot), counted with its bytes
+MSG_OVERHEAD = 5 * 64
+_seq_of = itemgetter(0)
+
+
+class _Replay:
+    """One client's replay in progress (cursor None: done, waiting only for its bytes to drain)."""
+
+    __slots__ = ("ident", "start", "cursor", "end", "chunks", "outstanding", "progress", "served", "t0", "ending")
+
+    def __init__(self, ident: bytes, start: int, end: int, now: float) -> None:
+        self.ident = ident
+        self.chunks: deque = deque()  # (MessageTracker, bytes accounted)
+        self.outstanding = 0
+        self.restart(start, end, now)
+
+    def restart(self, start: int, end: int, now: float) -> None:
+        self.start = start
+        self.cursor: int | None = start
+        self.end = end
+        self.progress = now
+        self.served = 0
+        self.t0 = time.time_ns()
+        self.ending = False  # every batch sent: the end marker is next
 
 
 class ReplayServer:
@@ -34,13 +82,17 @@ class ReplayServer:
     """
 
     def __init__(self, sock: zmq.Socket, ring: _Ring, stats: PublisherStats, *, rate: float, burst: int,
-                 hooks: Callable[[], Any] = lambda: None) -> None:
+                 hooks: Callable[[], Any] = lambda: None, client_bytes: int = 4 << 20,
+                 total_bytes: int = 32 << 20, stall_timeout: float = 2.0) -> None:
         self._sock = sock
         self._ring = ring
         self._stats = stats
         self._rate = float(rate)
         self._burst = burst
         self._hooks = hooks
+        self.client_bytes = client_bytes
+        self.total_bytes = total_bytes
+        self.stall_timeout = stall_timeout
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="kvevents-replay", daemon=True)
 
@@ -51,7 +103,8 @@ class ReplayServer:
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.SNDHWM, 0)
+            # per-client message bound, a backstop: the byte accounting binds first
+            sock.setsockopt(zmq.SNDHWM, kw.get("client_bytes", 4 << 20) // MSG_OVERHEAD + 2 * CHUNK)
             sock.bind(endpoint)
         except zmq.ZMQError:
             sock.close(0)
@@ -62,7 +115,7 @@ class ReplayServer:
         self._thread.start()
 
     def request_stop(self) -> None:
-        """Serve nothing more: a replay in progress ends at its next batch."""
+        """Serve nothing more: a replay in progress ends at its next chunk."""
         self._closing = True
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -79,16 +132,21 @@ class ReplayServer:
         finally:
             self._sock.close(0)
 
+    # ---- the loop ------------------------------------------------------------------------------
+
     def _loop(self) -> None:
         sock = self._sock
         stats = self._stats
         buckets: dict[bytes, list[float]] = {}  # identity -> [tokens, last refill time]
         waiting: dict[bytes, int] = {}  # identity -> start seq of its pending request
         deferred: set[bytes] = set()  # identities whose pending request was already counted as limited
+        replays: dict[bytes, _Replay] = {}
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        busy = False  # a replay could send at once
         while not self._closing:
-            if poller.poll(20 if waiting else 200):
+            timeout = 0 if busy else 5 if replays else 20 if waiting else 200
+            if poller.poll(timeout):
                 while True:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -99,11 +157,20 @@ class ReplayServer:
                         stats.replay_malformed += 1
                         continue
                     stats.replay_requests += 1
-                    # a newer request from the same client replaces its pending one
-                    waiting[req[0]] = req[1]
-            if len(buckets) > MAX_CLIENTS:  # forget idle clients
-                buckets = {k: v for k, v in buckets.items() if k in waiting}
+                    ident, start = req
+                    r = replays.get(ident)
+                    if r is not None and r.outstanding >= self.client_bytes:
+                        stats.replay_refused += 1  # its earlier answer sits unread: nothing more for it
+                        continue
+                    if ident in waiting or (r is not None and r.cursor is not None):
+                        stats.replay_superseded += 1  # a newer request from the same client replaces it
+                        if r is not None and r.cursor is not None:
+                            r.cursor = None
+                            self._finished(r)
+                    waiting[ident] = start
             now = time.monotonic()
+            if len(buckets) > MAX_CLIENTS:  # forget idle clients
+                buckets = {k: v for k, v in buckets.items() if k in waiting or k in replays}
             for ident in list(waiting):
                 bucket = buckets.setdefault(ident, [float(self._burst), now])
                 bucket[0] = min(float(self._burst), bucket[0] + (now - bucket[1]) * self._rate)
@@ -115,30 +182,135 @@ class ReplayServer:
                     continue
                 bucket[0] -= 1.0
                 deferred.discard(ident)
-                self._serve(ident, waiting.pop(ident))
+                start = waiting.pop(ident)
+                r = replays.get(ident)
+                if r is None and len(replays) >= MAX_CLIENTS:
+                    stats.replay_refused += 1
+                    continue
+                items = self._ring.items
+                end = items[-1][0] if items else -1
+                if r is None:
+                    replays[ident] = _Replay(ident, start, end, now)
+                else:
+                    r.restart(start, end, now)
+            busy = self._round(replays, now)
+            stats.replay_active = sum(1 for r in replays.values() if r.cursor is not None)
 
-    def _serve(self, ident: bytes, start: int) -> None:
-        hooks = self._hooks()
-        if hooks is None:
-            self._serve_replay(ident, start)
-            return
-        t0 = time.time_ns()
-        served = self._stats.replay_batches_served
-        self._serve_replay(ident, start)
-        hooks.on_replay(start, self._stats.replay_batches_served - served, t0)
+    def _round(self, replays: dict[bytes, _Replay], now: float) -> bool:
+        """One chunk to each replay that may send; True if any could send more at once."""
+        stats = self._stats
+        busy = False
+        for ident, r in list(replays.items()):
+            self._release(r, now)
+            if r.cursor is None:
+                if not r.chunks:
+                    del replays[ident]  # done and drained
+                continue
+            if self._closing:
+                return False
+            if r.outstanding >= self.client_bytes or stats.replay_outstanding_bytes >= self.total_bytes:
+                if now - r.progress > self.stall_timeout:
+                    stats.replay_aborted += 1
+                    if r.outstanding >= self.client_bytes:
+                        stats.replay_stalled += 1  # it stopped reading
+                    r.cursor = None
+                    self._finished(r)
+                continue
+            try:
+                more = self._send_chunk(r)
+            except zmq.Again:  # its pipe is at SNDHWM: nothing of this message was queued
+                continue
+            except zmq.ZMQError:  # EHOSTUNREACH: the client went away
+                stats.replay_aborted += 1
+                r.cursor = None
+                self._finished(r)
+                continue
+            r.progress = now
+            busy = busy or more
+        return busy
 
-    def _serve_replay(self, ident: bytes, start: int) -> None:
+    def _release(self, r: _Replay, now: float) -> None:
+        """Forget the chunks ZeroMQ has handed to the client's connection."""
+        chunks = r.chunks
+        while chunks:
+            tracker = chunks[0][0]
+            if tracker is None:  # untracked (cut short by SNDHWM): it left when the next tracked one did
+                tracker = next((c[0] for c in chunks if c[0] is not None), None)
+            if tracker is None or not tracker.done:
+                break
+            _, nbytes = chunks.popleft()
+            r.outstanding -= nbytes
+            self._stats.replay_outstanding_bytes -= nbytes
+            r.progress = now
+
+    def _chunk(self, r: _Replay) -> list:
+        """The next batches of ``r`` from the ring (a snapshot: the live thread appends meanwhile)."""
+        items = list(self._ring.items)
+        i = bisect_left(items, r.cursor, key=_seq_of)
+        out = []
+        nbytes = 0
+        for item in items[i:i + CHUNK]:
+            if item[0] > r.end or nbytes >= CHUNK_BYTES:
+                break
+            out.append(item)
+            nbytes += len(item[2])
+        return out
+
+    def _send_chunk(self, r: _Replay) -> bool:
+        """Send one chunk (or the end marker); True if more of ``r`` is ready to go."""
         sock = self._sock
         stats = self._stats
-        try:
-            for seq, topic, payload in self._ring.since(start):
-                if self._closing:
-                    return
-                if not sock.poll(1000, zmq.POLLOUT):
-                    stats.replay_aborted += 1
-                    return
-                sock.send_multipart(replay_answer(ident, topic, seq, payload))
-                stats.replay_batches_served += 1
-            sock.send_multipart(end_marker(ident))
-        except zmq.ZMQError:  # EHOSTUNREACH: the client went away
-            stats.replay_aborted += 1
+        ident = r.ident
+        if r.ending:
+            sock.send(ident, zmq.SNDMORE | zmq.NOBLOCK)
+            sock.send(b"", zmq.SNDMORE)
+            sock.send(b"", zmq.SNDMORE)
+            sock.send(END_SEQ, zmq.SNDMORE)
+            sock.send(b"")
+            r.cursor = None
+            stats.replays_completed += 1
+            self._finished(r)
+            return False
+        chunk = self._chunk(r)
+        if not chunk:
+            r.ending = True
+            return True
+        nbytes = 0
+        tracker = None
+        last = len(chunk) - 1
+        for k, (seq, topic, payload) in enumerate(chunk):
+            if self._closing:
+                break
+            try:
+                sock.send(ident, zmq.SNDMORE | zmq.NOBLOCK)  # zmq.Again here: nothing of it queued
+            except zmq.Again:
+                if not k:
+                    raise
+                r.chunks.append((None, nbytes))  # what did go is accounted, released with the next chunk
+                r.outstanding += nbytes
+                stats.replay_outstanding_bytes += nbytes
+                return False
+            sock.send(b"", zmq.SNDMORE)
+            sock.send(topic, zmq.SNDMORE)
+            sock.send(seq.to_bytes(SEQ_BYTES, "big"), zmq.SNDMORE)
+            if k == last:
+                # zero-copy and tracked: when ZeroMQ lets go of it, the whole chunk has left
+                tracker = sock.send(payload, 0, copy=False, track=True)
+            else:
+                sock.send(payload)
+            nbytes += len(payload) + len(topic) + MSG_OVERHEAD
+            r.cursor = seq + 1
+            r.served += 1
+            stats.replay_batches_served += 1
+        if tracker is not None:
+            r.chunks.append((tracker, nbytes))
+            r.outstanding += nbytes
+            stats.replay_outstanding_bytes += nbytes
+        if r.cursor is not None and r.cursor > r.end:
+            r.ending = True
+        return True
+
+    def _finished(self, r: _Replay) -> None:
+        hooks = self._hooks()
+        if hooks is not None:
+            hooks.on_replay(r.start, r.served, r.t0)
