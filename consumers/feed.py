@@ -4,14 +4,35 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvevents.errors import DecodeError
 
 from .router_config import PodRefused, RouterInputError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .router import KVRouter
+    from .endpoints import Endpoints
+    from .router_config import RouterConfig
+
+
+class KVRouter(Protocol):
+    """What the feed drives (:class:`consumers.router.KVRouter` is one): declared here so the
+    feed needs no import of the router, which imports the feed (no import circle)."""
+
+    @property
+    def endpoints(self) -> Endpoints: ...
+    @property
+    def config(self) -> RouterConfig: ...
+    def apply(self, pod: str, batch, *, model: str | None = None, strict: bool = False) -> None: ...
+    def apply_payload(self, pod: str, payload: bytes, *, model: str | None = None) -> None: ...
+    def count_error(self, kind: str, msg: str) -> None: ...
+    def mark_unreliable(self, pod: str) -> None: ...
+    def mark_resynced(self, pod: str) -> None: ...
+    def reset_pod(self, pod: str) -> None: ...
+    def set_health(self, pod: str, state: str) -> None: ...
+    def handle(self, delivery: object) -> None: ...
+    def refresh_health(self, source: object) -> None: ...
+
 
 __all__ = ["Feed", "handle", "refresh_health", "run"]
 
