@@ -51,9 +51,10 @@ def _router_argv(line: str, ports: Ports) -> list[str]:
     argv = [a.replace("0.0.0.0", "127.0.0.1") for a in argv]
     i = argv.index("--port")
     argv[i + 1] = str(ports("router", int(argv[i + 1])))
-    # the `kvevents.commands` entry-point group registers the verb; until the CLI reads it, the module
-    verb_registered = subprocess.run(["kvevents", "router", "--help"], capture_output=True).returncode == 0
-    return argv if verb_registered else [sys.executable, "-m", "kvservice", *argv[2:]]
+    # the verb as the README runs it: the `kvevents` script of this environment, `router` from the
+    # `kvevents.commands` entry-point group (kvservice.cli:register)
+    script = Path(sys.executable).with_name("kvevents")
+    return [str(script) if script.exists() else shutil.which("kvevents") or "kvevents", *argv[1:]]
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the README's client commands use curl")
