@@ -63,7 +63,9 @@ class NativeIngestor(Ingestor):
             _FAST.ingest, self._contexts, self.eps, self.pending_by_hash, self.pending, self._tally,
             self.finish_payload, self.expire_pending)
 
-    def sync(self) -> None:
+    def sync(self, recount: bool = True) -> None:
+        """Fold C's tally into the counters; ``recount=False`` leaves the learned budget's
+        eviction to the end of the batch (as the Python path does) when Python goes on with it."""
         t = self._tally
         if t[T_BATCHES] or t[T_EVICTED_KEYS]:
             stats = self._stats
@@ -77,7 +79,7 @@ class NativeIngestor(Ingestor):
             index.evicted_entries += t[T_EVICTED_ENTRIES]
             for i in range(len(t)):
                 t[i] = 0
-            if learned.size > learned.max_size:
+            if recount and learned.size > learned.max_size:
                 learned.recount()
         t[T_ROOM] = self._learned.max_size - self._learned.size
 
@@ -123,7 +125,7 @@ class NativeIngestor(Ingestor):
             ep.block_size = block_size
             ep.token_tiers.update(t for t in range(64) if token_mask >> t & 1)
             self.eps.touch += 1
-        self.sync()
+        self.sync(recount=status != REST)  # (mid-batch: the learned budget is enforced after the rest)
         if status == REST:
             n0 = len(ep.lmap)
             self.apply_events(ep, decode_batch(payload).events[nxt:], strict)

@@ -253,7 +253,10 @@ def state_digest(router: KVRouter) -> str:
     health. Two routers with equal digests give the same answers and joins. Left out: counters,
     the stream seq, pending joins' ages, slot numbers (which free slot a re-created endpoint
     gets is naming, not state) and recency order (a replayed offload can join a key later than
-    the first pass did, which only changes which key an eviction would take first)."""
+    the first pass did, which only changes which key an eviction would take first), and the
+    offload join's inferred chunk extents with the chunks it may still re-derive (estimates from
+    evidence: a replayed offload that joins a hash the first pass held and then saw cancelled
+    adds evidence the first pass never had; both estimates bound the same true extent)."""
     idx = router.index
     eps = router.endpoints
     tiers = list(eps.tier_names)
@@ -274,10 +277,9 @@ def state_digest(router: KVRouter) -> str:
     by_slot = {ep.slot: ep for ep in eps}
     h.update(enc.encode(sorted([repr(hh), by_slot[slot].pod, by_slot[slot].rank, tiers[t]]
                                for hh, slot, t in router.ingestor.pending)))
-    h.update(enc.encode(sorted([ep.pod, ep.rank, ep.model, ep.block_size, sorted(ep.chunk_keys.items()),
+    h.update(enc.encode(sorted([ep.pod, ep.rank, ep.model, ep.block_size,
                                 sorted([t, sorted(d.items(), key=repr)] for t, d in ep.odd_chunks.items()),
-                                sorted(ep.token_tiers), ep.unreliable, sorted(ep.tier_bs.items()),
-                                sorted([t, sorted(d, key=repr)] for t, d in ep.chunk_joined.items() if d)]
+                                sorted(ep.token_tiers), ep.unreliable, sorted(ep.tier_bs.items())]
                                for ep in eps)))
     h.update(enc.encode([tiers, sorted(eps.pod_model.items()), sorted(eps.pub_pod.items()),
                          sorted(eps.health.items())]))
