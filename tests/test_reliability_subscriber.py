@@ -230,10 +230,13 @@ def test_late_join_outlives_a_publisher_that_starts_late() -> None:
     """The publisher comes up after several replay timeouts: the initial replay is retried until
     it answers, so the stream's first batches are delivered (not silently lost)."""
     ep, rep = ipc_pair()
-    sub = Subscriber([(ep, rep, "p")], late_join=True, replay_timeout=0.05)
+    # (a replay timeout far above a loaded machine's answer time: the retried replay must be
+    # answered before it times out, else the start is reported as a GAP — correct, but not
+    # what this test is about; 0.05 s flaked under a loaded CI machine)
+    sub = Subscriber([(ep, rep, "p")], late_join=True, replay_timeout=0.75)
     pub = None
     try:
-        collect(sub, lambda g: sub.health()["p"].join_retries >= 3)
+        collect(sub, lambda g: sub.health()["p"].join_retries >= 2)
         pub = ZmqEventPublisher(ep, rep)
         for i in range(10):  # published before the SUB socket can have reconnected
             pub.publish(batch(i))
