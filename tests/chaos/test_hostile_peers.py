@@ -209,8 +209,6 @@ def test_the_replay_dealer_against_a_router_that_answers_junk():
         xpub.close(0)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 10 item 3: a bind-mode subscriber creates a peer per topic, "
-                                        "before rejecting a malformed frame (the `reliable` fix)")
 def test_bind_mode_does_not_create_a_peer_per_malformed_topic():
     ep, _ = ipc_pair()
     sub = Subscriber(bind=ep)
