@@ -49,6 +49,22 @@ class LoopThread:
     def submit(self, coro: Coroutine):
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def close_connection(self, nc, before=None) -> None:
+        """Close NATS connection ``nc`` on the loop (after ``before()``, run there; errors of a
+        connection already gone are ignored: this is shutdown), then stop the loop."""
+        async def _close() -> None:
+            if before is not None:
+                before()
+            try:
+                await asyncio.wait_for(nc.close(), 2)
+            except Exception:
+                pass
+        try:
+            self.call(_close(), 5)
+        except Exception:
+            pass
+        self.stop()
+
     def stop(self) -> None:
         """Cancel what still runs on the loop (let it see the cancellation), then stop the loop."""
         async def _cancel_rest() -> None:

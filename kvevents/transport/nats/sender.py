@@ -233,16 +233,5 @@ class PlaneSender:
             return True
         clean = self.flush(timeout)
         self._closed = True
-
-        async def _close():
-            self._wake.set()
-            try:
-                await asyncio.wait_for(self.nc.close(), 2)
-            except Exception:
-                pass
-        try:
-            self._lt.call(_close(), 5)
-        except Exception:
-            pass
-        self._lt.stop()
+        self._lt.close_connection(self.nc, before=self._wake.set)
         return clean

@@ -304,18 +304,7 @@ class JetStreamSource(EventSource):
         if self.auto_ack:
             self.ack()
         self._closed = True
-
-        async def _close():
-            self._task.cancel()
-            try:
-                await asyncio.wait_for(self.nc.close(), 2)
-            except Exception:
-                pass
-        try:
-            self._lt.call(_close(), 5)
-        except Exception:
-            pass
-        self._lt.stop()
+        self._lt.close_connection(self.nc, before=self._task.cancel)
 
     def __enter__(self) -> "JetStreamSource":
         return self
