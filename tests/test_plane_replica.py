@@ -13,7 +13,7 @@ from pathlib import Path
 
 import nats
 
-from kvevents import EventPublisherFactory, KVEventsConfig
+from kvevents.transport.nats.publisher import NatsEventPublisher
 from kvservice.replica import Replica
 from tests.plane_helpers import nats_server, stream_state, wait_for  # noqa: F401
 from tests.plane_ledger import LedgerRouter
@@ -24,8 +24,10 @@ LEDGER = "tests.plane_ledger:LedgerRouter"
 
 
 def _publisher(url: str, pod: str):
-    return EventPublisherFactory.create(KVEventsConfig(enable_kv_cache_events=True, publisher="nats", endpoint=url,
-                                                       topic=f"kv@{pod}@m"))
+    # a window larger than any run these tests publish: publish() never blocks, so a smaller
+    # window overflows (drops, counted, then a GAP) on a loaded machine, and the replicas'
+    # entry counts below would depend on the machine's speed
+    return NatsEventPublisher(endpoint=url, topic=f"kv@{pod}@m", window=4096)
 
 
 def _publish(url: str, pod: str, start: int, n: int) -> None:
@@ -33,6 +35,7 @@ def _publish(url: str, pod: str, start: int, n: int) -> None:
     for i in range(start, start + n):
         pub.publish(batch(i, 2))
     assert pub.shutdown(30).clean
+    assert pub.counts["overflow"] == 0, pub.counts
 
 
 def _replica_proc(url: str, name: str, status: Path, *extra: str) -> subprocess.Popen:
