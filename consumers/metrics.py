@@ -35,6 +35,15 @@ METRICS: tuple[MetricSpec, ...] = (
        "Offload events that arrived before the GPU event they join, by outcome: "
        "held, resolved, expired, dropped, cancelled.",
        ("outcome",), "router", "stats.pending_*", "kvevents_router_offload_unjoined_total"),
+    _m("kvevents.router.offload.chunk.inferences", COUNTER, "{estimate}",
+       "Offload chunk extents the join inferred from the stream, by outcome: inferred (a first estimate "
+       "for a pod's tier), rederived (made smaller by contradicting evidence).",
+       ("outcome",), "router", "stats.chunk_inferred / stats.chunk_rederived",
+       "kvevents_router_offload_chunk_inferences_total"),
+    _m("kvevents.router.offload.chunk.extent", UPDOWN, "{block}",
+       "Canonical blocks per offloaded chunk the join inferred, per pod and tier (tiers configured by "
+       "offload_chunk_blocks are not listed).",
+       ("pod", "tier"), "router", "chunk_extents()", "kvevents_router_offload_chunk_extent"),
     _m("kvevents.router.offload.pending", UPDOWN, "{block}", "Offload events waiting for their GPU event.",
        (), "router", "len(pending)", "kvevents_router_offload_pending"),
     _m("kvevents.router.evicted", COUNTER, "{entry}", "Index entries evicted by the entry budget.",

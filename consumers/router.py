@@ -199,9 +199,9 @@ class KVRouter:
 
     # --- introspection ----------------------------------------------------------------------------
     def chunk_extents(self) -> dict[str, dict[str, int]]:
-        """Per pod and offload tier, the keys (canonical blocks) per offloaded chunk the joins
-        use: inferred from the stream unless ``offload_chunk_blocks`` configures the tier (the
-        smallest over the pod's ranks)."""
+        """Per pod and offload tier, the keys (canonical blocks) per offloaded chunk the join
+        inferred from the stream (the smallest over the pod's ranks; a tier that
+        ``offload_chunk_blocks`` configures is not inferred, so not listed)."""
         out: dict[str, dict[str, int]] = {}
         names = self._eps.tier_names
         for ep in self._eps:

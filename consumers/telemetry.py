@@ -232,6 +232,11 @@ def observe_router(router: Any, meter: Meter | None = None, *, refresh_interval:
             lambda: [(n, a(tier=t)) for t, n in list(router.stats.matched_tokens.items())])
     obs.add(meter, "kvevents.router.offload.unjoined",
             lambda: [(getattr(s, f), a(outcome=o)) for s in (router.stats,) for o, f in _UNJOINED.items()])
+    obs.add(meter, "kvevents.router.offload.chunk.inferences",
+            lambda: [(router.stats.chunk_inferred, a(outcome="inferred")),
+                     (router.stats.chunk_rederived, a(outcome="rederived"))])
+    obs.add(meter, "kvevents.router.offload.chunk.extent",
+            lambda: [(n, a(pod=p, tier=t)) for p, d in router.chunk_extents().items() for t, n in d.items()])
     obs.add(meter, "kvevents.router.offload.pending", simple(lambda: router.counters()["pending"]))
     obs.add(meter, "kvevents.router.evicted", simple(lambda: router.index.evicted_entries))
     obs.add(meter, "kvevents.router.removals",

@@ -177,3 +177,30 @@ def test_snapshot_carries_what_the_join_inferred():
         x.apply("a", batch(off([h[2]], "CPU"), rm(h, "GPU")))
     assert r2.state_digest() == r.state_digest()
     assert r2.entries_by_tier()["CPU"] == 2
+
+
+def test_inferred_extents_are_metrics():
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from consumers.telemetry import observe_router
+
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("t")
+    r = router()
+    obs = observe_router(r, meter, refresh_interval=0)
+    h = hashes(4)
+    r.apply("a", batch(gpu(h, None, toks(0, 4))))
+    r.apply("a", batch(off([h[1]], "CPU")))
+    r.apply("a", batch(off([h[2]], "CPU")))  # contradicts: 2 -> 1
+    got = {}
+    for rm_ in reader.get_metrics_data().resource_metrics:
+        for sm in rm_.scope_metrics:
+            for m in sm.metrics:
+                if m.name.startswith("kvevents.router.offload.chunk"):
+                    for p in m.data.data_points:
+                        got[(m.name, tuple(sorted(p.attributes.items())))] = p.value
+    obs.close()
+    assert got[("kvevents.router.offload.chunk.inferences", (("outcome", "inferred"),))] == 1
+    assert got[("kvevents.router.offload.chunk.inferences", (("outcome", "rederived"),))] == 1
+    assert got[("kvevents.router.offload.chunk.extent", (("pod", "a"), ("tier", "CPU")))] == 1
