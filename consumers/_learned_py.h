@@ -218,15 +218,8 @@ lt_list(LearnedTable *m, int what, Py_ssize_t limit)
             Py_XDECREF(k);
             goto fail;
         }
-        if (what == 2) {
-            item = PyTuple_Pack(2, k, v);
-            Py_DECREF(k);
-            Py_DECREF(v);
-            if (item == NULL)
-                goto fail;
-        } else {
-            item = what == 0 ? k : v;
-        }
+        if ((item = map_item(what, k, v)) == NULL)
+            goto fail;
         PyList_SET_ITEM(out, i++, item);
     }
     return out;

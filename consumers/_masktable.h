@@ -386,5 +386,19 @@ mt_bit_arg(MaskTable *t, PyObject *o, uint32_t *b)
     return 0;
 }
 
+/* One keys()/values()/items() entry of a C table (the mask table and the learned table share
+ * it): `what` 0 keys, 1 values, 2 pairs; k and v are new references (NULL where `what` needs
+ * none) and are consumed. A new reference, or NULL with an exception set. */
+static inline PyObject *
+map_item(int what, PyObject *k, PyObject *v)
+{
+    if (what != 2)
+        return what == 0 ? k : v;
+    PyObject *item = PyTuple_Pack(2, k, v);
+    Py_DECREF(k);
+    Py_DECREF(v);
+    return item;
+}
+
 #include "_masktable_map.h"
 #include "_masktable_ops.h"

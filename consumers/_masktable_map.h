@@ -94,15 +94,8 @@ mt_list(MaskTable *t, int what)
             Py_XDECREF(k);
             goto fail;
         }
-        if (what == 2) {
-            item = PyTuple_Pack(2, k, v);
-            Py_DECREF(k);
-            Py_DECREF(v);
-            if (item == NULL)
-                goto fail;
-        } else {
-            item = what == 0 ? k : v;
-        }
+        if ((item = map_item(what, k, v)) == NULL)
+            goto fail;
         PyList_SET_ITEM(out, i, item);
     }
     return out;
