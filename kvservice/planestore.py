@@ -2,8 +2,9 @@
 covered stream seq and the purge lease in a key-value bucket.
 
 * ``snapshots`` (object store): one object per replica, ``<replica>``, its latest snapshot; the
-  object's description is ``{"stream_seq": N, "bytes": B}`` so a starting replica picks the
-  newest without downloading the others.
+  object's description is ``{"stream_seq": N, "bytes": B, "pods": {pod: [run, seq, topic]}}`` so
+  a starting replica picks the newest without downloading the others, and checks its first
+  message of each pod against what the snapshot covered (``pods``: the event source's positions).
 * ``replicas`` (key-value, entries expire after ``ttl`` seconds): ``cover.<replica>`` = the
   stream seq that replica's saved snapshot covers (it re-puts it every heartbeat, so a dead
   replica's entry disappears after ``ttl``); ``purge-lease`` = who purges now (``create`` only
@@ -64,10 +65,10 @@ class PlaneStore:
 
     # ---- snapshots ------------------------------------------------------------------------------
 
-    async def save(self, replica: str, data: bytes, stream_seq: int) -> None:
+    async def save(self, replica: str, data: bytes, stream_seq: int, pods: dict | None = None) -> None:
         from nats.js import api
 
-        desc = json.dumps({"stream_seq": stream_seq, "bytes": len(data), "saved_at": time.time()})
+        desc = json.dumps({"stream_seq": stream_seq, "bytes": len(data), "saved_at": time.time(), "pods": pods or {}})
         await self.obs.put(replica, data, meta=api.ObjectMeta(name=replica, description=desc))
 
     async def candidates(self) -> list[tuple[int, str]]:
@@ -89,8 +90,17 @@ class PlaneStore:
         return out
 
     async def load(self, name: str) -> bytes:
+        return (await self.load_with_pods(name))[0]
+
+    async def load_with_pods(self, name: str) -> tuple[bytes, dict[str, tuple]]:
+        """The snapshot's bytes and the per-pod positions it covers ({} if it names none)."""
         res = await self.obs.get(name)
-        return res.data
+        try:
+            raw = json.loads(res.info.description or "{}").get("pods") or {}
+            pods = {str(p): (int(v[0]), int(v[1]), str(v[2])) for p, v in raw.items()}
+        except (ValueError, TypeError, AttributeError, IndexError, KeyError):
+            pods = {}  # a foreign or damaged description: the first message of each pod is taken as it comes
+        return res.data, pods
 
     # ---- covered seqs and the purge lease --------------------------------------------------------
 

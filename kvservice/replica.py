@@ -73,11 +73,13 @@ class Replica:
         self.counters = {"applied": 0, "snapshots_saved": 0, "snapshot_bytes": 0, "snapshot_save_s": 0.0,
                          "snapshots_skipped": 0, "snapshot_errors": 0, "restore_failures": 0, "cold_starts": 0,
                          "restored_seq": 0, "restore_s": 0.0, "purged": 0, "purge_errors": 0, "cover_errors": 0,
-                         "snapshots_unsupported": 0, "restart_rechecks": 0, "purged_before_read": 0}
+                         "snapshots_unsupported": 0, "restart_rechecks": 0, "purged_before_read": 0,
+                         "snapshots_deferred": 0}
         self.failures: list[str] = []
         self._lt = LoopThread(f"kvevents-replica-{name}")
         self._upload: Future | None = None
         self.covered = 0
+        self._pods: dict = {}  #: per-pod positions the restored snapshot covers (seeds the source)
         self._bad: set[tuple[int, str]] = set()  #: snapshots that did not restore (not tried again)
         self._started = time.monotonic()
         self.ready_after: float | None = None
@@ -85,7 +87,7 @@ class Replica:
             self._lt.call(self._open(url, ttl))
             start_seq = self._start_point()
             self.source = JetStreamSource(url, durable=f"replica-{name}", stream=self.stream, start_seq=start_seq,
-                                          **(source_kw or {}))
+                                          pods=self._pods, **(source_kw or {}))
         except BaseException:
             self._lt.stop()
             raise
@@ -138,7 +140,7 @@ class Replica:
             if (seq, obj) in self._bad:
                 continue
             try:
-                data = self._lt.call(self.store.load(obj))
+                data, pods = self._lt.call(self.store.load_with_pods(obj))
                 router = self._factory()  # restored aside: a failure leaves the current state alone
                 info = router.restore(data)
             except Exception as exc:  # corrupt, truncated, future version, unreadable: the next one
@@ -147,6 +149,7 @@ class Replica:
                 self.failures.append(f"snapshot {obj!r} (seq {seq}): {exc}")
                 continue
             self.router = router
+            self._pods = pods
             covered = int(getattr(info, "stream_seq", None) or 0)
             self.counters["restored_seq"] = covered
             self.counters["restore_s"] = time.perf_counter() - t0
@@ -154,6 +157,7 @@ class Replica:
         if newer_than >= 0:
             return None
         self.counters["cold_starts"] += 1
+        self._pods = {}
         return 1
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -189,13 +193,17 @@ class Replica:
         seq = self.source.acked
         if seq <= self.covered:
             return False
+        if self.source.in_doubt:  # a stream hole not yet settled: a snapshot now could hide it
+            self.counters["snapshots_deferred"] += 1
+            return False
+        pods = self.source.positions()
         t0 = time.perf_counter()
         data = self.router.snapshot(stream_seq=seq)
         self.counters["snapshot_save_s"] = time.perf_counter() - t0
 
         async def upload():
             try:
-                await self.store.save(self.name, data, seq)
+                await self.store.save(self.name, data, seq, pods)
                 await self.store.cover(self.name, seq)
             except Exception as exc:
                 self.counters["snapshot_errors"] += 1

@@ -18,6 +18,21 @@ Per pod the source checks what it reads: a batch at or below the pod's last (run
 duplicate (counted, skipped); a run that moves on without a RESET message (the RESET was purged)
 gets a RESET delivery first; a seq that jumps is a GAP delivery. A message whose headers are
 malformed is counted and skipped. Nothing is dropped without a counter.
+
+Loss in the middle of the stream (the stream's own limits — max_msgs, max_bytes, max_age — drop
+the oldest messages while this reader is behind, or someone deletes messages): the stream seq of
+what the consumer delivers must follow on from ``start_seq`` without a hole (our replicas' purge
+never removes a message past a live replica's cover, so for a replica every hole is a loss).
+A hole is counted (``stream_holes``, ``stream_lost`` messages) and opens a doubt over every pod
+last seen before it: a doubted pod whose next message carries the next engine seq lost nothing;
+one whose seq jumps gets an exact GAP (as always); a pod met for the first time inside the doubt,
+or one that has shown nothing after the hole by the time the reader has caught up with the
+stream's end as it stood when the hole was seen, gets a GAP with reason ``stream-hole`` and
+``missed`` 0 (how many is unknowable: its messages are gone) — counted in ``hole_gaps`` and in
+that pod's health. ``pods=`` seeds the per-pod (run, last seq) a replica's snapshot covered, so a
+warm start checks its first message of each pod too (``positions()`` gives them for a snapshot).
+The hole check needs the consumer to see the whole stream: it is off under a narrower
+``filter_subject``.
 """
 
 from __future__ import annotations
@@ -40,12 +55,14 @@ __all__ = ["JetStreamSource"]
 
 
 class _PodState:
-    __slots__ = ("health", "run", "last_seq")
+    __slots__ = ("health", "run", "last_seq", "stream_seq", "topic")
 
     def __init__(self, pod: str, now: float) -> None:
         self.health = PublisherHealth(pod, last_recv_ts=now)
         self.run = -1
         self.last_seq = -1
+        self.stream_seq = 0  #: stream seq of the last message read for this pod (0: none, or seeded)
+        self.topic = pod  #: the router topic of its last message
 
 
 class JetStreamSource(EventSource):
@@ -60,7 +77,8 @@ class JetStreamSource(EventSource):
 
     def __init__(self, url: str, *, durable: str = "kvrouter", stream: StreamSpec | None = None,
                  start_seq: int | None = None, window: int = 4096, fetch_batch: int = 512, max_queued: int = 8192,
-                 auto_ack: bool = True, stale_after: float = 10.0, filter_subject: str | None = None) -> None:
+                 auto_ack: bool = True, stale_after: float = 10.0, filter_subject: str | None = None,
+                 pods: dict[str, tuple] | None = None) -> None:
         if window < 1 or fetch_batch < 1 or max_queued < fetch_batch:
             raise ValueError("window and fetch_batch must be >= 1, max_queued >= fetch_batch")
         self.url = url
@@ -78,8 +96,17 @@ class JetStreamSource(EventSource):
         self.stream_last = 0  #: the stream's last seq, as last read (about once a second)
         self._stats = {"messages": 0, "deliveries": 0, "duplicates": 0, "malformed": 0, "queue_full_waits": 0,
                        "fetch_errors": 0, "acks": 0, "disconnects": 0, "reconnects": 0, "errors": 0,
-                       "implied_resets": 0, "stream_gaps": 0}
+                       "implied_resets": 0, "stream_gaps": 0, "stream_holes": 0, "stream_lost": 0, "hole_gaps": 0}
         self._pods: dict[str, _PodState] = {}
+        now = time.time()
+        for pod, (run, last_seq, *topic) in (pods or {}).items():  # what a snapshot covered
+            st = self._pod(pod, now)
+            st.run, st.last_seq = int(run), int(last_seq)
+            st.health.last_seq = st.last_seq
+            st.topic = str(topic[0]) if topic else pod
+        #: the stream seq the next delivered message must have (0: take the first one's)
+        self._next_stream = (start_seq or 0) if self.filter_subject == self.stream.subjects else -1
+        self._doubt: tuple[int, int] | None = None  #: open hole: (its first seq, read up to here to close it)
         self._queue: deque = deque()
         self._cond = threading.Condition()
         self._last_msg = None
@@ -193,11 +220,19 @@ class JetStreamSource(EventSource):
             self._lt.loop.call_soon_threadsafe(self._room.set)
         out: list[Delivery] = []
         now = time.time()
+        check = self._next_stream >= 0
         for msg in msgs:
-            self._one(msg, now, out)
+            q = msg.metadata.sequence.stream
+            if check:
+                if q > self._next_stream > 0:
+                    self._hole(self._next_stream, q)
+                self._next_stream = q + 1
+            self._one(msg, q, now, out)
         last = msgs[-1]
         self._last_msg = last
         self.position = last.metadata.sequence.stream
+        if self._doubt is not None and self.position >= self._doubt[1]:
+            self._settle_doubt(now, out)
         self._stats["messages"] += len(msgs)
         self._stats["deliveries"] += len(out)
         return out
@@ -208,16 +243,53 @@ class JetStreamSource(EventSource):
             st = self._pods[name] = _PodState(name, now)
         return st
 
-    def _one(self, msg, now: float, out: list) -> None:
+    def _hole(self, first: int, got: int) -> None:
+        """Stream seqs ``first`` .. ``got - 1`` are gone: count them, open (or widen) the doubt."""
+        self._stats["stream_holes"] += 1
+        self._stats["stream_lost"] += got - first
+        start = first if self._doubt is None else self._doubt[0]
+        self._doubt = (start, max(self.stream_last, got))
+
+    def _settle_doubt(self, now: float, out: list) -> None:
+        """Caught up past the hole: pods that showed nothing after it may have lost their tail."""
+        start = self._doubt[0]
+        self._doubt = None
+        for st in self._pods.values():
+            if st.stream_seq < start:
+                self._hole_gap(st, st.health.publisher, st.last_seq + 1, st.topic, now, out)
+
+    def _hole_gap(self, st: _PodState, pod: str, seq: int, topic: str, now: float, out: list) -> None:
+        self._stats["hole_gaps"] += 1
+        st.health.gaps += 1
+        out.append(Delivery(GAP, pod, topic, seq, None, now, 0, reason="stream-hole"))
+
+    def positions(self) -> dict[str, tuple[int, int, str]]:
+        """Per pod (run, last seq, topic) as of ``position``: what a snapshot taken now covers (seed a
+        later reader with ``pods=``). Empty while a stream hole is unresolved (not yet safe)."""
+        if self._doubt is not None:
+            return {}
+        return {pod: (st.run, st.last_seq, st.topic) for pod, st in self._pods.items() if st.run >= 0}
+
+    @property
+    def in_doubt(self) -> bool:
+        """A stream hole was seen and not every pod is cleared of it yet (see the module doc)."""
+        return self._doubt is not None
+
+    def _one(self, msg, q: int, now: float, out: list) -> None:
         try:
             m = parse_headers(msg.headers)
         except DecodeError:
             self._stats["malformed"] += 1
             return
         st = self._pod(m.pod, now)
+        doubted = self._doubt is not None and st.stream_seq < self._doubt[0]
+        st.stream_seq = q
+        st.topic = m.router_topic
         h = st.health
         h.received += 1
         h.last_recv_ts = now
+        if doubted and st.run < 0:  # first met inside a hole: what it lost before this is unknowable
+            self._hole_gap(st, m.pod, m.seq, m.router_topic, now, out)
         if m.run < st.run:
             self._stats["duplicates"] += 1  # an older run, seen before
             return
@@ -235,6 +307,8 @@ class JetStreamSource(EventSource):
                 h.resets += 1
                 out.append(Delivery(RESET, m.pod, m.router_topic, m.seq, None, now))
                 st.last_seq = -1
+                if doubted:  # the new run's first batches may lie in the hole with its RESET
+                    self._hole_gap(st, m.pod, m.seq, m.router_topic, now, out)
             else:
                 st.last_seq = m.seq - 1  # first sight of this pod: start where the stream does
             st.run = m.run

@@ -159,6 +159,7 @@ class StreamSpec:
     prefix: str = "kvevents"
     max_bytes: int = 1 << 30
     max_age: float = 0.0  #: seconds; 0 = no age limit (the replicas' purge trims the stream)
+    max_msgs: int = 0  #: 0 = no count limit
     duplicate_window: float = 120.0
     storage: str = "file"  #: "file" (survives a server restart) or "memory"
     replicas: int = 1  #: JetStream replication factor (3 on a real cluster)
@@ -170,8 +171,8 @@ class StreamSpec:
             raise ConfigError(f"subject prefix {self.prefix!r} must be dot-separated tokens of letters, digits, _ or -")
         if self.storage not in ("file", "memory"):
             raise ConfigError(f"stream storage must be 'file' or 'memory', got {self.storage!r}")
-        if self.max_bytes <= 0 or self.duplicate_window <= 0 or self.replicas < 1:
-            raise ConfigError("stream max_bytes and duplicate_window must be > 0 and replicas >= 1")
+        if self.max_bytes <= 0 or self.duplicate_window <= 0 or self.replicas < 1 or self.max_msgs < 0:
+            raise ConfigError("stream max_bytes and duplicate_window must be > 0, replicas >= 1, max_msgs >= 0")
 
     @property
     def subjects(self) -> str:
@@ -183,7 +184,7 @@ class StreamSpec:
         from nats.js.errors import NotFoundError
 
         cfg = api.StreamConfig(
-            name=self.name, subjects=[self.subjects], max_bytes=self.max_bytes,
+            name=self.name, subjects=[self.subjects], max_bytes=self.max_bytes, max_msgs=self.max_msgs or None,
             max_age=self.max_age or None, duplicate_window=self.duplicate_window,
             storage=api.StorageType.FILE if self.storage == "file" else api.StorageType.MEMORY,
             num_replicas=self.replicas, discard=api.DiscardPolicy.OLD)
