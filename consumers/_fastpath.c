@@ -47,6 +47,7 @@
 #include "_fp_hash.h"
 #include "_fp_parse.h"
 #include "_fp_apply.h"
+#include "_fp_score.h"
 
 /* apply(payload, contexts, stamp, tally) -> None | (status, next, block_size, token_mask, rank)
  *
@@ -294,6 +295,8 @@ static PyMethodDef methods[] = {
     {"ingest", (PyCFunction)(void (*)(void))py_ingest, METH_FASTCALL | METH_KEYWORDS,
      "NativeIngestor.apply_payload: bind with functools.partial(ingest, by_pod, endpoints, pending_by_hash, "
      "pending, tally, finish, expire)."},
+    {"json_tokens", py_json_tokens, METH_O, "json_tokens(raw) -> array('I') | None (see _fp_score.h)."},
+    {"score_walk", (PyCFunction)(void (*)(void))py_score_walk, METH_FASTCALL, "chain_keys + walk in one call (see _fp_score.h)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from . import _accel
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "KEY_MASK", "model_seed", "chain_keys", "chain_keys_py", "request_keys",
-           "as_token_list"]
+           "as_token_list", "json_tokens"]
 
 DEFAULT_BLOCK_SIZE = 16
 KEY_MASK = (1 << 60) - 1
@@ -77,6 +77,10 @@ def chain_keys_py(tokens: Sequence[int], parent: int, block_size: int) -> list[i
 _FAST = _accel.load(chain_keys_py)
 #: Keys of every full ``block_size`` block of ``tokens``, chained on from ``parent``.
 chain_keys = chain_keys_py if _FAST is None else _FAST.chain_keys
+#: ``json_tokens(raw) -> array('I') | None``: the ints of a JSON array text (msgspec.Raw) without
+#: a Python int per token, None for anything but ints in [0, 2**32) (then decode it with msgspec,
+#: which names the error). None itself where the C extension is not in use.
+json_tokens = getattr(_FAST, "json_tokens", None)
 
 
 def as_token_list(tokens: object) -> list[int] | tuple[int, ...]:

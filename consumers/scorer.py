@@ -3,15 +3,21 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping
 
 from .endpoints import Endpoints
 from .index import Index
-from .keys import as_token_list, chain_keys, model_seed
+from .keys import _FAST, as_token_list, chain_keys, model_seed
+from .nativeindex import NativeBlockIndex
 from .router_config import RouterConfig, RouterStats
 from .score import Explanation, Score, TierMatch, best, better
 
 __all__ = ["Scorer"]
+
+#: the whole walk in one C call (consumers/_fp_score.h) where the index is the native one
+_score_walk = getattr(_FAST, "score_walk", None)
+_DIRECT = (list, tuple, array)
 
 
 class Scorer:
@@ -23,20 +29,26 @@ class Scorer:
         self._stats = stats
 
     def _walk(self, tokens: object, lora_name: str | None, model: str | None):
-        toks = as_token_list(tokens)
+        toks = tokens if type(tokens) in _DIRECT else as_token_list(tokens)
         model = self.eps.model_for_query(model)
-        keys = chain_keys(toks, model_seed(model, lora_name), self._bs)
+        seed = model_seed(model, lora_name)
         stages, lanes, start, eps = self.eps.plan(model)
-        segments, ends = self.index.match(keys, lanes, start)
-        return toks, keys, stages, segments, ends, model, eps
+        index = self.index
+        if _score_walk is not None and type(index) is NativeBlockIndex and index.cap <= 1024 and len(lanes) <= 16:
+            n_keys, segments, ends = _score_walk(index.masks, toks, seed, self._bs, lanes, start)
+            return toks, n_keys, stages, segments, ends, model, eps
+        if type(toks) is array:
+            toks = toks.tolist()
+        keys = chain_keys(toks, seed, self._bs)
+        segments, ends = index.match(keys, lanes, start)
+        return toks, len(keys), stages, segments, ends, model, eps
 
     def score(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
               load: Mapping[str, float] | None = None) -> dict[str, Score]:
         """Pod -> :class:`Score` for every pod of ``model`` not excluded by its state."""
-        toks, keys, stages, segments, ends, model, eps = self._walk(tokens, lora_name, model)
+        toks, n_keys, stages, segments, ends, model, eps = self._walk(tokens, lora_name, model)
         C = self._bs
         n_tokens = max(1, len(toks))
-        n_keys = len(keys)
         lw = self._cfg.load_weight
         out: dict[str, Score] = {}
         top: Score | None = None  # what pick() would choose: the counters below follow it
@@ -88,7 +100,11 @@ class Scorer:
                 model: str | None = None) -> dict[str, list[Explanation]]:
         """Pod -> one :class:`Explanation` per data-parallel rank: what matched, tier by tier,
         and why the match ended."""
-        toks, keys, stages, segments, ends, model, _eps = self._walk(tokens, lora_name, model)
+        toks = as_token_list(tokens)
+        model = self.eps.model_for_query(model)
+        keys = chain_keys(toks, model_seed(model, lora_name), self._bs)
+        stages, lanes, start, _eps = self.eps.plan(model)
+        segments, ends = self.index.match(keys, lanes, start)
         C = self._bs
         index = self.index
         mask = index.mask

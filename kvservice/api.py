@@ -19,7 +19,7 @@ from kvevents.errors import ConfigError, KVEventsError
 from .ingest import Fleet
 from .metrics import HttpMetrics, render_service_metrics
 from .openapi import openapi_document
-from .schema import ApiError, ScoreRequest, decode, error_body
+from .schema import ApiError, ScoreRequest, decode, error_body, token_ids_of
 from .tokens import LocalTokenizer, RemoteTokenizer, TokenizerBase
 
 __all__ = ["API_KEY", "PROXY_KEY", "build_app", "read_token"]
@@ -122,15 +122,18 @@ class Api:
                            "model", "unknown_model")
         return model
 
-    async def tokens_of(self, req: ScoreRequest, model: str) -> list[int]:
-        given = [k for k in ("token_ids", "prompt", "messages") if getattr(req, k) is not None]
+    async def tokens_of(self, req: ScoreRequest, model: str, token_ids=None):
+        """The prompt's token ids: ``token_ids`` (already read by :func:`token_ids_of`), or the
+        prompt/messages tokenized."""
+        given = [k for k, v in (("token_ids", token_ids), ("prompt", req.prompt), ("messages", req.messages))
+                 if v is not None]
         if len(given) != 1:
             raise ApiError(400, "give exactly one of token_ids, prompt or messages" +
                            (f" (got {', '.join(given)})" if given else ""), given[1] if len(given) > 1 else "token_ids")
-        if req.token_ids is not None:
-            if not req.token_ids:
+        if token_ids is not None:
+            if not token_ids:
                 raise ApiError(400, "token_ids is empty", "token_ids")
-            return req.token_ids
+            return token_ids
         if req.prompt is not None and not req.prompt:
             raise ApiError(400, "prompt is empty", "prompt")
         if req.messages is not None and not req.messages:
@@ -143,8 +146,9 @@ class Api:
     # ---- routes ----------------------------------------------------------------------------
     async def score(self, request: web.Request) -> web.Response:
         req = await self.read_json(request, ScoreRequest)
+        token_ids = token_ids_of(req)
         model = self.model_of(req)
-        tokens = await self.tokens_of(req, model)
+        tokens = await self.tokens_of(req, model, token_ids)
         with self.fleet.lock:
             scores = self.fleet.router.score(tokens, req.lora_name, model=model, load=req.load)
         pods = sorted(scores.values(), key=lambda s: (-s.total, s.load, s.pod))
@@ -154,16 +158,18 @@ class Api:
 
     async def pick(self, request: web.Request) -> web.Response:
         req = await self.read_json(request, ScoreRequest)
+        token_ids = token_ids_of(req)
         model = self.model_of(req)
-        tokens = await self.tokens_of(req, model)
+        tokens = await self.tokens_of(req, model, token_ids)
         with self.fleet.lock:
             pod = self.fleet.router.pick(tokens, req.lora_name, model=model, load=req.load)
         return json_response({"model": model, "pick": pod, "prompt_tokens": len(tokens)})
 
     async def explain(self, request: web.Request) -> web.Response:
         req = await self.read_json(request, ScoreRequest)
+        token_ids = token_ids_of(req)
         model = self.model_of(req)
-        tokens = await self.tokens_of(req, model)
+        tokens = await self.tokens_of(req, model, token_ids)
         with self.fleet.lock:
             exp = self.fleet.router.explain(tokens, req.lora_name, model=model)
         return json_response({"model": model, "prompt_tokens": len(tokens),

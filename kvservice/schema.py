@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+from array import array
 from typing import Annotated
 
 import msgspec
 
-__all__ = ["ApiError", "ChatMessage", "ScoreRequest", "decode", "error_body"]
+from consumers.keys import json_tokens
+
+__all__ = ["ApiError", "ChatMessage", "ScoreRequest", "decode", "error_body", "token_ids_of"]
 
 
 class ApiError(Exception):
@@ -35,11 +38,35 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     model: str | None = None
     lora_name: str | None = None
-    token_ids: list[TokenId] | None = None
+    #: the JSON text of the array, kept raw: :func:`token_ids_of` reads it (in C where built) into
+    #: an array('I') without a Python int per token; ``null`` or absent: not given
+    token_ids: msgspec.Raw = msgspec.Raw(b"")
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     #: pod -> load, for RouterConfig.load_weight
     load: dict[str, float] | None = None
+
+
+_NULL = (b"", b"null")
+_TOKENS = msgspec.json.Decoder(list[TokenId])
+
+
+def token_ids_of(req: ScoreRequest) -> "array | list[int] | None":
+    """The request's token ids (None when not given): an array('I') from the C reader, else (no C
+    extension, or anything but plain ints in range) a list from msgspec's typed decoder, whose
+    error names the field (``token_ids[3]``)."""
+    raw = req.token_ids
+    if bytes(raw).strip() in _NULL:
+        return None
+    if json_tokens is not None:
+        out = json_tokens(raw)
+        if out is not None:
+            return out
+    try:
+        return _TOKENS.decode(raw)
+    except msgspec.ValidationError as exc:
+        m = _PATH.search(str(exc))
+        return _raise(str(exc).replace("`$", "`$.token_ids"), "token_ids" + (m.group(1) if m else ""))
 
 
 _PATH = re.compile(r" - at `\$(.*)`$")
