@@ -14,11 +14,15 @@ from dataclasses import dataclass, field
 from itertools import compress, islice, repeat
 from operator import ne
 
+import msgspec
+
 __all__ = ["Score", "TierMatch", "Explanation", "best", "better", "walk"]
 
 
-@dataclass(slots=True)
-class Score:
+class Score(msgspec.Struct):
+    """One pod's score. A msgspec Struct (not a dataclass): the API builds and encodes 64 of these
+    per request, and a Struct is built and JSON-encoded several times faster."""
+
     pod: str
     total: float  #: factor * sum(weight[tier] * tokens) / prompt tokens - load_weight * load
     tokens_by_tier: dict[str, int]  #: tier -> prefix tokens served from it (only tiers with > 0)

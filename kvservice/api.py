@@ -154,7 +154,7 @@ class Api:
         pods = sorted(scores.values(), key=lambda s: (-s.total, s.load, s.pod))
         return json_response({
             "model": model, "prompt_tokens": len(tokens), "pick": pods[0].pod if pods else None,
-            "pods": pods})  # consumers.Score dataclasses: msgspec encodes their fields as they are
+            "pods": pods})  # consumers.Score Structs: msgspec encodes them as they are
 
     async def pick(self, request: web.Request) -> web.Response:
         req = await self.read_json(request, ScoreRequest)

@@ -61,8 +61,12 @@ def test_routes_round_trip_on_vllm_default_topic(fleet2) -> None:
     assert pods["ready"] is True and pods["unattributed"] == []
     assert pods["router"]["entries_by_tier"]["GPU"] == 6
     # per pod: each pod's own holdings (a: 4 blocks, b: 2), over real HTTP
-    pods = wait_for(lambda: (p := http.get("/v1/pods")[1])["pods"][1].get("entries_by_tier", {}).get("GPU") == 2
-                    and p, what="per-pod entries")
+    # (the per-pod counts may be up to api.pods_cache_s old while batches arrive: wait for both pods)
+    def per_pod():
+        p = http.get("/v1/pods")[1]
+        return [q.get("entries_by_tier", {}).get("GPU") for q in p["pods"]] == [4, 2] and p
+
+    pods = wait_for(per_pod, what="per-pod entries")
     by_name = {p["name"]: p["entries_by_tier"] for p in pods["pods"]}
     assert by_name["a"]["GPU"] == 4 and by_name["b"]["GPU"] == 2
     a = next(p for p in pods["pods"] if p["name"] == "a")
