@@ -297,6 +297,7 @@ static PyMethodDef methods[] = {
      "pending, tally, finish, expire)."},
     {"json_tokens", py_json_tokens, METH_O, "json_tokens(raw) -> array('I') | None (see _fp_score.h)."},
     {"score_walk", (PyCFunction)(void (*)(void))py_score_walk, METH_FASTCALL, "chain_keys + walk in one call (see _fp_score.h)."},
+    {"score_pods", (PyCFunction)(void (*)(void))py_score_pods, METH_FASTCALL, "Scorer.score's answer in one call (see _fp_score_pods.h)."},
     {NULL, NULL, 0, NULL},
 };
 

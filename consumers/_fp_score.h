@@ -1,13 +1,8 @@
 /* _fp_score.h: one score's walk in C (consumers/scorer.py's native path).
  *
- * Included by _fastpath.c after _masktable.h and _fp_hash.h (one translation unit). Two
- * functions, both pure functions of their inputs and the table:
- *
- * json_tokens(raw) -> array('I') | None
- *     The token ids of a JSON array of non-negative ints below 2**32 (the text msgspec.Raw
- *     keeps of a request's "token_ids"), without one Python int per token. None for anything
- *     else (floats, negatives, too big, not an array): the caller decodes those with msgspec,
- *     which names what is wrong and where.
+ * Included by _fastpath.c after _masktable.h and _fp_hash.h (one translation unit); it
+ * includes _fp_score_pods.h (json_tokens, score_pods: the API-facing end). Pure functions of
+ * their inputs and the table:
  *
  * score_walk(table, tokens, parent, block_size, lanes, start) -> (n_keys, segments, ends)
  *     chain_keys(tokens, parent, block_size) followed by consumers.score.walk over the
@@ -20,99 +15,6 @@
 #define SW_MAX 16 /* words of one tier's slot set: up to 1,024 endpoint slots */
 #define ST_MAX 16 /* stages */
 #define PF_AHEAD 8
-
-static PyObject *array_type; /* array.array, imported on first use */
-
-/* ------------------------------------------------------------------ json_tokens */
-
-static PyObject *
-py_json_tokens(PyObject *self, PyObject *raw)
-{
-    Py_buffer b;
-    if (PyObject_GetBuffer(raw, &b, PyBUF_SIMPLE) < 0)
-        return NULL;
-    const char *p = b.buf, *end = p + b.len;
-    uint32_t stack[1024];
-    uint32_t *out = stack;
-    size_t n = 0, cap = 1024;
-    PyObject *res = NULL;
-#define WS() while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++
-    WS();
-    if (p == end || *p != '[')
-        goto other;
-    p++;
-    WS();
-    if (p < end && *p == ']') {
-        p++;
-        goto close;
-    }
-    for (;;) {
-        if (p == end || *p < '0' || *p > '9')
-            goto other; /* '-', a string, null... */
-        uint64_t v = 0;
-        const char *d0 = p;
-        while (p < end && *p >= '0' && *p <= '9') {
-            v = v * 10 + (uint64_t)(*p - '0');
-            p++;
-            if (p - d0 > 10)
-                goto other;
-        }
-        if (v >> 32 || (p < end && (*p == '.' || *p == 'e' || *p == 'E')))
-            goto other;
-        if (n == cap) {
-            size_t ncap = cap * 2;
-            uint32_t *grown = PyMem_Malloc(ncap * sizeof(uint32_t));
-            if (grown == NULL) {
-                PyErr_NoMemory();
-                goto done;
-            }
-            memcpy(grown, out, n * sizeof(uint32_t));
-            if (out != stack)
-                PyMem_Free(out);
-            out = grown;
-            cap = ncap;
-        }
-        out[n++] = (uint32_t)v;
-        WS();
-        if (p < end && *p == ',') {
-            p++;
-            WS();
-            continue;
-        }
-        if (p < end && *p == ']') {
-            p++;
-            break;
-        }
-        goto other;
-    }
-close:
-    WS();
-    if (p != end)
-        goto other;
-    if (array_type == NULL) {
-        PyObject *mod = PyImport_ImportModule("array");
-        if (mod == NULL)
-            goto done;
-        array_type = PyObject_GetAttrString(mod, "array");
-        Py_DECREF(mod);
-        if (array_type == NULL)
-            goto done;
-    }
-    PyObject *bytes = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)(n * sizeof(uint32_t)));
-    if (bytes == NULL)
-        goto done;
-    res = PyObject_CallFunction(array_type, "sO", "I", bytes);
-    Py_DECREF(bytes);
-    goto done;
-other:
-    res = Py_NewRef(Py_None);
-done:
-#undef WS
-    if (out != stack)
-        PyMem_Free(out);
-    PyBuffer_Release(&b);
-    return res;
-}
 
 /* ------------------------------------------------------------------ the keys */
 
@@ -201,6 +103,235 @@ typedef struct {
     int32_t first;
 } SegEv;
 
+/* One walk: its lanes, the prompt's keys and, per endpoint slot, where it entered each stage
+ * and where its match ended. Set up by walk_lanes + walk_keys, run by walk_run, freed by walk_free. */
+typedef struct {
+    uint32_t T, sw, nbits, nslots;
+    uint64_t shift[ST_MAX];
+    uint64_t incoming[SW_MAX]; /* the slots taking part */
+    int any_start;
+    Py_ssize_t n;              /* keys (full blocks) */
+    uint64_t *keys;
+    uint64_t kstack[512];
+    SegEv *segs;               /* per slot, up to T segment starts */
+    uint8_t *nseg;             /* per slot */
+    int32_t *endv;             /* per slot: blocks matched (-1: never matched) */
+} Walk;
+
+static void
+walk_free(Walk *w)
+{
+    if (w->keys != w->kstack)
+        PyMem_Free(w->keys);
+    PyMem_Free(w->segs);
+    PyMem_Free(w->nseg);
+    PyMem_Free(w->endv);
+}
+
+/* lanes: per stage (shift, full), every stage as wide as the index's cap; start: slot mask */
+static int
+walk_lanes(Walk *w, PyObject *lanes, PyObject *start_o)
+{
+    if (!PyList_Check(lanes) || PyList_GET_SIZE(lanes) > ST_MAX) {
+        PyErr_Format(PyExc_ValueError, "score_walk: lanes must be a list of at most %d (shift, full)", ST_MAX);
+        return -1;
+    }
+    w->T = (uint32_t)PyList_GET_SIZE(lanes);
+    for (uint32_t s = 0; s < w->T; s++) {
+        PyObject *ln = PyList_GET_ITEM(lanes, s);
+        if (!PyTuple_Check(ln) || PyTuple_GET_SIZE(ln) != 2) {
+            PyErr_SetString(PyExc_TypeError, "score_walk: a lane is a (shift, full) tuple");
+            return -1;
+        }
+        w->shift[s] = (uint64_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(ln, 0));
+        if (PyErr_Occurred())
+            return -1;
+        int64_t nb = (int64_t)_PyLong_NumBits(PyTuple_GET_ITEM(ln, 1));
+        if (nb < 0)
+            return -1;
+        if (s && (uint32_t)nb != w->nbits) {
+            PyErr_SetString(PyExc_ValueError, "score_walk: lanes of different widths");
+            return -1;
+        }
+        w->nbits = (uint32_t)nb;
+    }
+    w->sw = (w->nbits + 63) / 64;
+    if (w->sw > SW_MAX) {
+        PyErr_Format(PyExc_ValueError, "score_walk: more than %d slots per tier", SW_MAX * 64);
+        return -1;
+    }
+    if (w->sw == 0)
+        w->sw = 1;
+    w->nslots = w->sw * 64;
+    PyObject *rest = Py_NewRef(start_o);
+    for (uint32_t i = 0; i < w->sw; i++) {
+        w->incoming[i] = PyLong_AsUnsignedLongLongMask(rest);
+        if (w->incoming[i] == (uint64_t)-1 && PyErr_Occurred()) {
+            Py_DECREF(rest);
+            return -1;
+        }
+        w->any_start |= w->incoming[i] != 0;
+        if (i + 1 < w->sw) {
+            PyObject *sh = PyLong_FromLong(64);
+            PyObject *next = sh ? PyNumber_Rshift(rest, sh) : NULL;
+            Py_XDECREF(sh);
+            Py_DECREF(rest);
+            if (next == NULL)
+                return -1;
+            rest = next;
+        }
+    }
+    Py_DECREF(rest);
+    return 0;
+}
+
+/* the keys of every full block of `tokens` (a list/tuple of ints or a buffer of 4/8-byte ints) */
+static int
+walk_keys(Walk *w, PyObject *tokens, PyObject *parent, PyObject *bs_o)
+{
+    Py_hash_t parent_lane = PyObject_Hash(parent);
+    if (parent_lane == -1 && PyErr_Occurred())
+        return -1;
+    Py_ssize_t bs = PyLong_AsSsize_t(bs_o);
+    if (bs == -1 && PyErr_Occurred())
+        return -1;
+    if (bs <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be > 0, got %zd", bs);
+        return -1;
+    }
+    if (PyList_Check(tokens) || PyTuple_Check(tokens)) {
+        w->n = PySequence_Fast_GET_SIZE(tokens) / bs;
+        if (w->n > 512 && (w->keys = PyMem_Malloc((size_t)w->n * sizeof(uint64_t))) == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        return keys_of_items(PySequence_Fast_ITEMS(tokens), bs, (int64_t)parent_lane, w->keys, w->n);
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    char kind = int_kind(&view);
+    if (!kind || view.ndim > 1) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_TypeError, "score_walk: tokens must be a list/tuple of ints or a buffer of 4/8-byte ints");
+        return -1;
+    }
+    w->n = view.len / view.itemsize / bs;
+    if (w->n > 512 && (w->keys = PyMem_Malloc((size_t)w->n * sizeof(uint64_t))) == NULL) {
+        PyBuffer_Release(&view);
+        PyErr_NoMemory();
+        return -1;
+    }
+    keys_of_buffer(&view, kind, bs, (int64_t)parent_lane, w->keys, w->n);
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+/* consumers.score.walk over the table: each slot's segment starts and end */
+static int
+walk_run(Walk *w, const MaskTable *t)
+{
+    const uint32_t T = w->T, sw = w->sw, nbits = w->nbits, W = t->W;
+    const Py_ssize_t n = w->n;
+    const uint64_t *keys = w->keys;
+    w->segs = PyMem_Malloc(sizeof(SegEv) * w->nslots * (T ? T : 1));
+    w->nseg = PyMem_Calloc(w->nslots, 1);
+    w->endv = PyMem_Malloc(sizeof(int32_t) * w->nslots);
+    if (w->segs == NULL || w->nseg == NULL || w->endv == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (uint32_t s = 0; s < w->nslots; s++)
+        w->endv[s] = -1;
+    if (n == 0 || !w->any_start)
+        return 0;
+    if (W > 64) { /* over 4,096 lanes: not a layout the index makes */
+        PyErr_SetString(PyExc_ValueError, "score_walk: masks wider than 4,096 bits");
+        return -1;
+    }
+    SegEv *segs = w->segs;
+    uint8_t *nseg = w->nseg;
+    uint64_t S[ST_MAX][SW_MAX];
+    memset(S, 0, sizeof(S));
+    uint64_t incoming[SW_MAX];
+    memcpy(incoming, w->incoming, sizeof(incoming));
+    static const uint64_t zero[64];
+    const uint64_t *prev = NULL;
+    for (Py_ssize_t j = 0; j < n && j < PF_AHEAD * 2; j++)
+        mt_prefetch_slot(t, keys[j]);
+    for (Py_ssize_t j = 0; j < n && j < PF_AHEAD; j++)
+        mt_prefetch_entry(t, keys[j]);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (j + 2 * PF_AHEAD < n)
+            mt_prefetch_slot(t, keys[j + 2 * PF_AHEAD]);
+        if (j + PF_AHEAD < n)
+            mt_prefetch_entry(t, keys[j + PF_AHEAD]);
+        uint32_t e = mt_find(t, keys[j], NULL);
+        const uint64_t *m = e == MT_NONE ? zero : ENT(t, e)->bits;
+        if (prev != NULL && memcmp(m, prev, W * sizeof(uint64_t)) == 0)
+            continue; /* the same mask as the key before: nothing moves */
+        prev = m;
+        uint64_t carry[SW_MAX];
+        memcpy(carry, incoming, sizeof(carry));
+        memset(incoming, 0, sizeof(incoming));
+        for (uint32_t s = 0; s < T; s++) {
+            uint64_t mt[SW_MAX];
+            lane_bits(m, W, w->shift[s], nbits, mt, sw);
+            for (uint32_t i = 0; i < sw; i++) {
+                uint64_t old = S[s][i], cur = old | carry[i];
+                uint64_t nw = cur & mt[i];
+                carry[i] = cur & ~mt[i];
+                if (nw != old) {
+                    S[s][i] = nw;
+                    for (uint64_t entered = nw & ~old; entered; entered &= entered - 1) {
+                        uint32_t slot = i * 64 + (uint32_t)__builtin_ctzll(entered);
+                        segs[slot * T + nseg[slot]++] = (SegEv){(int32_t)s, (int32_t)j};
+                    }
+                }
+            }
+        }
+        int any_carry = 0;
+        for (uint32_t i = 0; i < sw; i++) {
+            any_carry |= carry[i] != 0;
+            for (uint64_t c = carry[i]; c; c &= c - 1) {
+                uint32_t slot = i * 64 + (uint32_t)__builtin_ctzll(c);
+                if (nseg[slot])
+                    w->endv[slot] = (int32_t)j;
+            }
+        }
+        if (any_carry) {
+            int live = 0;
+            for (uint32_t s = 0; s < T && !live; s++)
+                for (uint32_t i = 0; i < sw && !live; i++)
+                    live = S[s][i] != 0;
+            if (!live)
+                return 0;
+        }
+    }
+    for (uint32_t s = 0; s < T; s++)
+        for (uint32_t i = 0; i < sw; i++)
+            for (uint64_t c = S[s][i]; c; c &= c - 1)
+                w->endv[i * 64 + (uint32_t)__builtin_ctzll(c)] = (int32_t)n;
+    return 0;
+}
+
+static int
+walk_all(Walk *w, PyObject *const *args)
+{
+    memset(w, 0, offsetof(Walk, kstack));
+    w->keys = w->kstack;
+    w->segs = NULL;
+    w->nseg = NULL;
+    w->endv = NULL;
+    if (!PyObject_TypeCheck(args[0], &MaskTableType)) {
+        PyErr_SetString(PyExc_TypeError, "score_walk: table must be a MaskTable");
+        return -1;
+    }
+    if (walk_lanes(w, args[4], args[5]) < 0 || walk_keys(w, args[1], args[2], args[3]) < 0)
+        return -1;
+    return walk_run(w, (const MaskTable *)args[0]);
+}
+
 static PyObject *
 py_score_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -208,245 +339,48 @@ py_score_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "score_walk(table, tokens, parent, block_size, lanes, start)");
         return NULL;
     }
-    if (!PyObject_TypeCheck(args[0], &MaskTableType)) {
-        PyErr_SetString(PyExc_TypeError, "score_walk: table must be a MaskTable");
-        return NULL;
-    }
-    MaskTable *t = (MaskTable *)args[0];
-    PyObject *tokens = args[1], *lanes = args[4], *start_o = args[5];
-    Py_hash_t parent_lane = PyObject_Hash(args[2]);
-    if (parent_lane == -1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t bs = PyLong_AsSsize_t(args[3]);
-    if (bs == -1 && PyErr_Occurred())
-        return NULL;
-    if (bs <= 0) {
-        PyErr_Format(PyExc_ValueError, "block_size must be > 0, got %zd", bs);
-        return NULL;
-    }
-    /* --- lanes: per stage (shift, full); every stage has the same width (the index's cap) */
-    if (!PyList_Check(lanes) || PyList_GET_SIZE(lanes) > ST_MAX) {
-        PyErr_Format(PyExc_ValueError, "score_walk: lanes must be a list of at most %d (shift, full)", ST_MAX);
-        return NULL;
-    }
-    uint32_t T = (uint32_t)PyList_GET_SIZE(lanes);
-    uint64_t shift[ST_MAX];
-    uint32_t nbits = 0;
-    for (uint32_t s = 0; s < T; s++) {
-        PyObject *ln = PyList_GET_ITEM(lanes, s);
-        if (!PyTuple_Check(ln) || PyTuple_GET_SIZE(ln) != 2) {
-            PyErr_SetString(PyExc_TypeError, "score_walk: a lane is a (shift, full) tuple");
-            return NULL;
-        }
-        shift[s] = (uint64_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(ln, 0));
-        if (PyErr_Occurred())
-            return NULL;
-        int64_t nb = (int64_t)_PyLong_NumBits(PyTuple_GET_ITEM(ln, 1));
-        if (nb < 0)
-            return NULL;
-        if (s && (uint32_t)nb != nbits) {
-            PyErr_SetString(PyExc_ValueError, "score_walk: lanes of different widths");
-            return NULL;
-        }
-        nbits = (uint32_t)nb;
-    }
-    uint32_t sw = (nbits + 63) / 64;
-    if (sw > SW_MAX) {
-        PyErr_Format(PyExc_ValueError, "score_walk: more than %d slots per tier", SW_MAX * 64);
-        return NULL;
-    }
-    if (sw == 0)
-        sw = 1;
-    /* --- start: the slot mask of the endpoints taking part */
-    uint64_t incoming[SW_MAX] = {0};
-    int any_start = 0;
-    {
-        PyObject *rest = Py_NewRef(start_o);
-        for (uint32_t i = 0; i < sw; i++) {
-            incoming[i] = PyLong_AsUnsignedLongLongMask(rest);
-            if (incoming[i] == (uint64_t)-1 && PyErr_Occurred()) {
-                Py_DECREF(rest);
-                return NULL;
-            }
-            any_start |= incoming[i] != 0;
-            if (i + 1 < sw) {
-                PyObject *sh = PyLong_FromLong(64);
-                PyObject *next = sh ? PyNumber_Rshift(rest, sh) : NULL;
-                Py_XDECREF(sh);
-                Py_DECREF(rest);
-                if (next == NULL)
-                    return NULL;
-                rest = next;
-            }
-        }
-        Py_DECREF(rest);
-    }
-    /* --- the keys */
-    Py_buffer view;
-    int have_view = 0;
-    PyObject *seq = NULL;
-    Py_ssize_t n_tok;
-    char kind = 0;
-    if (PyList_Check(tokens) || PyTuple_Check(tokens)) {
-        seq = Py_NewRef(tokens);
-        n_tok = PySequence_Fast_GET_SIZE(seq);
-    } else {
-        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
-            return NULL;
-        have_view = 1;
-        kind = int_kind(&view);
-        if (!kind || view.ndim > 1) {
-            PyBuffer_Release(&view);
-            PyErr_SetString(PyExc_TypeError, "score_walk: tokens must be a list/tuple of ints or a buffer of 4/8-byte ints");
-            return NULL;
-        }
-        n_tok = view.len / view.itemsize;
-    }
-    Py_ssize_t n = n_tok / bs;
+    Walk w;
     PyObject *result = NULL, *segments = NULL, *ends = NULL;
-    uint64_t kstack[512];
-    uint64_t *keys = n <= 512 ? kstack : PyMem_Malloc((size_t)n * sizeof(uint64_t));
-    uint32_t nslots = sw * 64;
-    SegEv *segs = NULL;   /* per slot, up to T segment starts */
-    uint8_t *nseg = NULL; /* per slot */
-    int32_t *endv = NULL; /* per slot: blocks matched, -1 none recorded */
-    if (keys == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    if (have_view)
-        keys_of_buffer(&view, kind, bs, (int64_t)parent_lane, keys, n);
-    else if (keys_of_items(PySequence_Fast_ITEMS(seq), bs, (int64_t)parent_lane, keys, n) < 0)
+    if (walk_all(&w, args) < 0)
         goto fail;
     segments = PyDict_New();
     ends = PyDict_New();
     if (segments == NULL || ends == NULL)
         goto fail;
-    if (n == 0 || !any_start)
-        goto build;
-    segs = PyMem_Malloc(sizeof(SegEv) * nslots * (T ? T : 1));
-    nseg = PyMem_Calloc(nslots, 1);
-    endv = PyMem_Malloc(sizeof(int32_t) * nslots);
-    if (segs == NULL || nseg == NULL || endv == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    for (uint32_t s = 0; s < nslots; s++)
-        endv[s] = -1;
-    {
-        uint64_t S[ST_MAX][SW_MAX];
-        memset(S, 0, sizeof(S));
-        const uint32_t W = t->W;
-        uint64_t zero[64] = {0};
-        const uint64_t *prev = NULL;
-        for (Py_ssize_t j = 0; j < n && j < PF_AHEAD * 2; j++)
-            mt_prefetch_slot(t, keys[j]);
-        for (Py_ssize_t j = 0; j < n && j < PF_AHEAD; j++)
-            mt_prefetch_entry(t, keys[j]);
-        Py_ssize_t j;
-        for (j = 0; j < n; j++) {
-            if (j + 2 * PF_AHEAD < n)
-                mt_prefetch_slot(t, keys[j + 2 * PF_AHEAD]);
-            if (j + PF_AHEAD < n)
-                mt_prefetch_entry(t, keys[j + PF_AHEAD]);
-            uint32_t e = mt_find(t, keys[j], NULL);
-            const uint64_t *m = (e == MT_NONE || W > 64) ? zero : ENT(t, e)->bits;
-            if (e != MT_NONE && W > 64) { /* (over 4,096 lanes: not a layout the index makes) */
-                PyErr_SetString(PyExc_ValueError, "score_walk: masks wider than 4,096 bits");
+    for (uint32_t slot = 0; slot < w.nslots; slot++) {
+        uint32_t ns = w.nseg[slot];
+        if (!ns)
+            continue;
+        PyObject *lst = PyList_New(ns);
+        if (lst == NULL)
+            goto fail;
+        for (uint32_t q = 0; q < ns; q++) {
+            SegEv ev = w.segs[slot * w.T + q];
+            PyObject *tup = Py_BuildValue("(ii)", ev.stage, ev.first);
+            if (tup == NULL) {
+                Py_DECREF(lst);
                 goto fail;
             }
-            if (prev != NULL && memcmp(m, prev, W * sizeof(uint64_t)) == 0)
-                continue; /* the same mask as the key before: nothing moves */
-            prev = m;
-            uint64_t carry[SW_MAX];
-            memcpy(carry, incoming, sizeof(carry));
-            memset(incoming, 0, sizeof(incoming));
-            for (uint32_t s = 0; s < T; s++) {
-                uint64_t mt[SW_MAX];
-                lane_bits(m, W, shift[s], nbits, mt, sw);
-                for (uint32_t i = 0; i < sw; i++) {
-                    uint64_t old = S[s][i], cur = old | carry[i];
-                    uint64_t nw = cur & mt[i];
-                    carry[i] = cur & ~mt[i];
-                    if (nw != old) {
-                        S[s][i] = nw;
-                        uint64_t entered = nw & ~old;
-                        while (entered) {
-                            uint32_t slot = i * 64 + (uint32_t)__builtin_ctzll(entered);
-                            entered &= entered - 1;
-                            segs[slot * T + nseg[slot]++] = (SegEv){(int32_t)s, (int32_t)j};
-                        }
-                    }
-                }
-            }
-            int any_carry = 0;
-            for (uint32_t i = 0; i < sw; i++) {
-                uint64_t c = carry[i];
-                any_carry |= c != 0;
-                while (c) {
-                    uint32_t slot = i * 64 + (uint32_t)__builtin_ctzll(c);
-                    c &= c - 1;
-                    if (nseg[slot])
-                        endv[slot] = (int32_t)j;
-                }
-            }
-            if (any_carry) {
-                int live = 0;
-                for (uint32_t s = 0; s < T && !live; s++)
-                    for (uint32_t i = 0; i < sw; i++)
-                        if (S[s][i]) {
-                            live = 1;
-                            break;
-                        }
-                if (!live)
-                    break;
-            }
+            PyList_SET_ITEM(lst, q, tup);
         }
-        for (uint32_t s = 0; s < T; s++)
-            for (uint32_t i = 0; i < sw; i++)
-                for (uint64_t c = S[s][i]; c; c &= c - 1)
-                    endv[i * 64 + (uint32_t)__builtin_ctzll(c)] = (int32_t)n;
-    }
-    /* --- the answer, in walk()'s shape */
-    for (uint32_t slot = 0; slot < nslots; slot++) {
-        if (nseg[slot]) {
-            PyObject *lst = PyList_New(nseg[slot]);
-            if (lst == NULL)
-                goto fail;
-            for (uint32_t q = 0; q < nseg[slot]; q++) {
-                SegEv ev = segs[slot * T + q];
-                PyObject *tup = Py_BuildValue("(ii)", ev.stage, ev.first);
-                if (tup == NULL) {
-                    Py_DECREF(lst);
-                    goto fail;
-                }
-                PyList_SET_ITEM(lst, q, tup);
-            }
-            PyObject *ko = PyLong_FromUnsignedLong(slot);
-            int rc = ko == NULL ? -1 : PyDict_SetItem(segments, ko, lst);
-            Py_DECREF(lst);
-            if (rc == 0 && endv[slot] >= 0) {
-                PyObject *eo = PyLong_FromLong(endv[slot]);
-                rc = eo == NULL ? -1 : PyDict_SetItem(ends, ko, eo);
-                Py_XDECREF(eo);
-            }
-            Py_XDECREF(ko);
-            if (rc < 0)
-                goto fail;
+        PyObject *ko = PyLong_FromUnsignedLong(slot);
+        int rc = ko == NULL ? -1 : PyDict_SetItem(segments, ko, lst);
+        Py_DECREF(lst);
+        if (rc == 0 && w.endv[slot] >= 0) {
+            PyObject *eo = PyLong_FromLong(w.endv[slot]);
+            rc = eo == NULL ? -1 : PyDict_SetItem(ends, ko, eo);
+            Py_XDECREF(eo);
         }
+        Py_XDECREF(ko);
+        if (rc < 0)
+            goto fail;
     }
-build:
-    result = Py_BuildValue("(nOO)", n, segments, ends);
+    result = Py_BuildValue("(nOO)", w.n, segments, ends);
 fail:
     Py_XDECREF(segments);
     Py_XDECREF(ends);
-    if (keys != kstack)
-        PyMem_Free(keys);
-    PyMem_Free(segs);
-    PyMem_Free(nseg);
-    PyMem_Free(endv);
-    if (have_view)
-        PyBuffer_Release(&view);
-    Py_XDECREF(seq);
+    walk_free(&w);
     return result;
 }
+
+#include "_fp_score_pods.h"

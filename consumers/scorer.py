@@ -15,8 +15,10 @@ from .score import Explanation, Score, TierMatch, best, better
 
 __all__ = ["Scorer"]
 
-#: the whole walk in one C call (consumers/_fp_score.h) where the index is the native one
+#: the whole walk in one C call (consumers/_fp_score.h) where the index is the native one, and
+#: the whole answer (walk + per-pod Scores + the pick) in another (_fp_score_pods.h)
 _score_walk = getattr(_FAST, "score_walk", None)
+_score_pods = getattr(_FAST, "score_pods", None)
 _DIRECT = (list, tuple, array)
 
 
@@ -27,6 +29,27 @@ class Scorer:
         self.eps = endpoints
         self.index = index
         self._stats = stats
+        self._cplan: tuple = (None, None)  # (the endpoints' plan, score_pods' plan built from it)
+
+    def _native(self, lanes) -> bool:
+        index = self.index
+        return (_score_walk is not None and type(index) is NativeBlockIndex and index.cap <= 1024
+                and len(lanes) <= 16)
+
+    def _pods_plan(self, plan: tuple) -> tuple:
+        """score_pods' plan for the endpoints' ``plan`` (rebuilt when that changes)."""
+        cached = self._cplan
+        if cached[0] is plan:
+            return cached[1]
+        stages, lanes, start, eps = plan
+        pods: dict[str, int] = {}
+        rows = tuple((ep.slot, ep.pod, ep.rank, state, factor, pods.setdefault(ep.pod, len(pods)))
+                     for ep, state, factor in eps if factor > 0)
+        lw = self._cfg.load_weight
+        cplan = (lanes, start, rows, tuple(n for _, n, _ in stages), tuple(float(w) for _, _, w in stages),
+                 float(lw), float(-lw), Score, self._bs)
+        self._cplan = (plan, cplan)
+        return cplan
 
     def _walk(self, tokens: object, lora_name: str | None, model: str | None):
         toks = tokens if type(tokens) in _DIRECT else as_token_list(tokens)
@@ -34,7 +57,7 @@ class Scorer:
         seed = model_seed(model, lora_name)
         stages, lanes, start, eps = self.eps.plan(model)
         index = self.index
-        if _score_walk is not None and type(index) is NativeBlockIndex and index.cap <= 1024 and len(lanes) <= 16:
+        if self._native(lanes):
             n_keys, segments, ends = _score_walk(index.masks, toks, seed, self._bs, lanes, start)
             return toks, n_keys, stages, segments, ends, model, eps
         if type(toks) is array:
@@ -46,6 +69,15 @@ class Scorer:
     def score(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
               load: Mapping[str, float] | None = None) -> dict[str, Score]:
         """Pod -> :class:`Score` for every pod of ``model`` not excluded by its state."""
+        if _score_pods is not None and (load is None or type(load) is dict):
+            toks = tokens if type(tokens) in _DIRECT else as_token_list(tokens)
+            model = self.eps.model_for_query(model)
+            plan = self.eps.plan(model)
+            if self._native(plan[1]):
+                out, top = _score_pods(self.index.masks, toks, model_seed(model, lora_name), self._bs,
+                                       self._pods_plan(plan), load)
+                self._count(len(toks), top)
+                return out
         toks, n_keys, stages, segments, ends, model, eps = self._walk(tokens, lora_name, model)
         C = self._bs
         n_tokens = max(1, len(toks))
@@ -81,14 +113,17 @@ class Scorer:
                 out[pod] = s = Score(pod, total, by_tier, end * C, ep.rank, state, factor, pod_load)
                 if better(s, top):
                     top = s
+        self._count(len(toks), top)
+        return out
+
+    def _count(self, prompt_tokens: int, top: Score | None) -> None:
         stats = self._stats
         stats.lookups += 1
-        stats.prompt_tokens += len(toks)
+        stats.prompt_tokens += prompt_tokens
         if top is not None:
             matched = stats.matched_tokens
             for tier, n in top.tokens_by_tier.items():
                 matched[tier] = matched.get(tier, 0) + n
-        return out
 
     def pick(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
              load: Mapping[str, float] | None = None) -> str | None:

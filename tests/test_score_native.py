@@ -83,14 +83,19 @@ def test_score_walk_refuses_what_it_cannot_read():
         _FAST.score_walk(table, [1, []], 0, 1, [(0, 1)], 1)  # unhashable, as in chain_keys
 
 
-def _router(index: str) -> KVRouter:
-    return KVRouter(RouterConfig(model="m", index=index, block_size=4))
+def _router(index: str, **kw) -> KVRouter:
+    return KVRouter(RouterConfig(model="m", index=index, block_size=4, **kw))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_native_and_python_routers_score_alike(data):
-    routers = [_router("native"), _router("python")]
+    """score_pods (walk + per-pod Scores + the pick in C) against the Python loop: the same
+    Scores, float for float, ranks folded per pod, and the same pick counted."""
+    kw = {"load_weight": data.draw(st.sampled_from([0.0, 0, 0.5, 2])),  # an int 0 and 0.0 differ in -0.0
+          "tier_weights": {"GPU": data.draw(st.sampled_from([1.0, 1, 0.3])), "CPU": data.draw(st.sampled_from([0.5, 2]))},
+          "state_factors": {"SYNCED": data.draw(st.sampled_from([1.0, 1, 0.7]))}}
+    routers = [_router("native", **kw), _router("python", **kw)]
     docs = [data.draw(st.lists(st.integers(0, 50), min_size=4, max_size=40)) for _ in range(3)]
     hashes = [[(d * 1000 + i) * 7919 + 1 for i in range(len(doc) // 4)] for d, doc in enumerate(docs)]
     for _ in range(data.draw(st.integers(1, 12))):
@@ -113,8 +118,11 @@ def test_native_and_python_routers_score_alike(data):
                                                  st.floats(0, 4, allow_nan=False), max_size=3))
     native, python = (r.score(prompt, load=load) for r in routers)
     assert native == python
+    assert [(s.pod, repr(s.total), repr(s.factor), repr(s.load)) for s in native.values()] == \
+        [(s.pod, repr(s.total), repr(s.factor), repr(s.load)) for s in python.values()]  # -0.0, 1 vs 1.0
     assert routers[0].stats.matched_tokens == routers[1].stats.matched_tokens
     assert routers[0].score(array("I", prompt), load=load) == python  # the API's token_ids
+    assert routers[0].pick(prompt, load=load) == routers[1].pick(prompt, load=load)
 
 
 @given(st.lists(TOKEN, max_size=60), st.sampled_from([",", ", ", " ,\n "]))
