@@ -1,0 +1,98 @@
+"""Instructions per /v1/score request outside HTTP (callgrind): decode the body, score, encode the answer.
+
+    python benchmarks/service_instr.py                 # this checkout
+    python benchmarks/service_instr.py --root OTHER    # another checkout (before/after), C extension built in place
+
+A child process under ``valgrind --tool=callgrind`` pre-fills a router (64 pods x 2 tiers,
+``--blocks`` indexed blocks, the shape of ``benchmarks/service.py``) and counts the
+instructions of each stage of the API's score route over the same 32 bodies of 4,096 token
+ids (half with a cached prefix): ``decode`` (the body into a ScoreRequest and its token ids),
+``score`` (``KVRouter.score``), ``answer`` (sort + JSON encode) and the three together.
+Instruction counts are steady where wall clock on a shared machine is not; cache misses in a
+large index are not in them (see the wall-clock table of ``benchmarks/service.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+N = 32
+
+
+def child(root: str, blocks: int) -> None:
+    sys.path.insert(0, root)
+    sys.path.insert(1, str(HERE.parent))
+    import msgspec
+
+    from benchmarks._callgrind import Region
+    from benchmarks.service import MODEL, build_fleet, prompts
+    from kvservice import schema
+
+    reg = Region(os.environ["KV_CALLGRIND_LIB"])
+    rnd = random.Random(0)
+    _cfg, fleet, docs = build_fleet(Path(tempfile.mkdtemp()), 64, blocks, rnd)
+    r = fleet.router
+    bodies = [json.dumps(json.loads(b.decode().replace('\\"', '"'))).encode() for b in prompts(docs, rnd, N)]
+    reader = getattr(schema, "token_ids_of", None)
+
+    def decode(body):
+        req = schema.decode(body, schema.ScoreRequest)
+        return req, (req.token_ids if reader is None else reader(req))
+
+    def answer(scores, n):
+        pods = sorted(scores.values(), key=lambda s: (-s.total, s.load, s.pod))
+        return msgspec.json.encode({"model": MODEL, "prompt_tokens": n, "pick": pods[0].pod if pods else None,
+                                    "pods": pods})
+
+    reqs = [decode(b) for b in bodies]
+    scores = [r.score(t, req.lora_name, model=MODEL, load=req.load) for req, t in reqs]
+    for _ in range(2):  # warm
+        for b in bodies:
+            req, toks = decode(b)
+            answer(r.score(toks, req.lora_name, model=MODEL, load=req.load), len(toks))
+    reg.instrument()
+    for label, fn in (("decode", lambda i: decode(bodies[i])),
+                      ("score", lambda i: r.score(reqs[i][1], None, model=MODEL, load=None)),
+                      ("answer", lambda i: answer(scores[i], len(reqs[i][1]))),
+                      ("all", lambda i: answer(r.score(decode(bodies[i])[1], None, model=MODEL), 4096))):
+        reg.label = label
+        reg.start()
+        for i in range(N):
+            fn(i)
+        reg.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", default=str(HERE.parent), help="the checkout to measure")
+    ap.add_argument("--blocks", type=int, default=1 << 16)
+    ap.add_argument("--child", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        return child(args.root, args.blocks)
+    sys.path.insert(0, str(HERE.parent))
+    from benchmarks._callgrind import check_tools, new_out_dir, read_dumps, run_child
+    from benchmarks._table import print_table
+
+    check_tools()
+    out = new_out_dir("kvbench-svc-instr-")
+    env = dict(os.environ, PYTHONPATH=args.root)
+    rc, tail = run_child(["--instr-atstart=no", sys.executable, __file__, "--child", "--root", args.root, "--blocks", str(args.blocks),
+                          ], out, env, timeout=1800)
+    if rc != 0:
+        sys.exit(f"the callgrind child failed (rc {rc}): {tail}")
+    res = read_dumps(out)
+    print_table(f"/v1/score outside HTTP: instructions per request (callgrind, mean of {N} bodies of 4,096 token ids; "
+                f"{args.root})", ["stage", "instructions"],
+                [(k, res[k] // N) for k in ("decode", "score", "answer", "all") if k in res])
+
+
+if __name__ == "__main__":
+    main()
