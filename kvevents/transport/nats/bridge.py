@@ -27,7 +27,7 @@ from ...delivery import DeliveryKind
 from ...errors import ConfigError
 from ...subscriber import PublisherSpec, Subscriber
 from .sender import PlaneSender
-from .wire import COUNT, KIND, MAX_PACK, SEQ, StreamSpec, pack, parse_headers, plane_headers, subject_for, unpack
+from .wire import COUNT, MAX_PACK, StreamSpec, pack, parse_headers, plane_headers, subject_for, unpack
 
 __all__ = ["Bridge", "EngineSpec"]
 
@@ -127,10 +127,12 @@ class Bridge:
 
     # ---- deliveries -> messages ---------------------------------------------------------------
 
+    # A poll's deliveries become items (pod, kind, seq, body, topic, run, missed, reason) first;
+    # ``_messages`` turns them into stream messages, headers built once per message, not per batch.
+
     def _msg(self, pod: _Pod, kind: str, seq: int, body: bytes = b"", topic: str = "", missed: int = 0,
              reason: str = ""):
-        return (pod.subject, body, plane_headers(kind, pod.spec.name, topic, pod.spec.rank, seq, pod.run, missed, reason,
-                                                 pod.spec.model))
+        return (pod, kind, seq, body, topic, pod.run, missed, reason)
 
     def _batch(self, pod: _Pod, seq: int, payload: bytes, topic: str, out: list) -> None:
         if not pod.confirmed:
@@ -158,7 +160,7 @@ class Bridge:
         elif seq <= pod.last_seq:
             self.stats["resume_skipped"] += 1  # already in the stream (resume, or a replay ran ahead)
             return
-        out.append(self._msg(pod, "batch", seq, payload, topic))
+        out.append((pod, "batch", seq, payload, topic, pod.run, 0, ""))
         pod.last_seq = seq
         self.stats["batches"] += 1
 
@@ -197,33 +199,41 @@ class Bridge:
                     pod.confirmed = True
                 start = max(d.seq, pod.last_seq + 1)
                 self._gap(pod, start, end - start + 1, d.reason or "lost", d.topic, out)
-        return self._pack(out) if self.pack > 1 and len(out) > 1 else out
+        return self._messages(out)
 
-    def _pack(self, out: list) -> list:
-        """Fold runs of consecutive batches of one pod into messages of up to ``pack`` batches."""
-        packed: list = []
-        run: list = []
-
-        def flush() -> None:
-            if len(run) == 1:
-                packed.append(run[0])
-            elif run:
-                subject, _, headers = run[0]
-                headers = dict(headers)
-                headers[COUNT] = str(len(run))
-                packed.append((subject, pack([r[1] for r in run]), headers))
-            run.clear()
-        for item in out:
-            h = item[2]
-            if h[KIND] != "batch":
-                flush()
-                packed.append(item)
-                continue
-            if run and (run[0][0] != item[0] or len(run) >= self.pack or int(run[-1][2][SEQ]) + 1 != int(h[SEQ])):
-                flush()
-            run.append(item)
-        flush()
-        return packed
+    def _messages(self, items: list) -> list:
+        """Stream messages for a poll's items: per pod in order (pods may interleave: only each
+        pod's order matters), runs of up to ``pack`` consecutive batches folded into one."""
+        if not items:
+            return []
+        by_pod: dict = {}
+        for it in items:
+            lst = by_pod.get(it[0])
+            if lst is None:
+                by_pod[it[0]] = [it]
+            else:
+                lst.append(it)
+        limit = self.pack
+        msgs = []
+        for pod, its in by_pod.items():
+            spec = pod.spec
+            i, n = 0, len(its)
+            while i < n:
+                _, kind, seq, body, topic, run, missed, reason = its[i]
+                j = i + 1
+                if kind == "batch" and limit > 1:
+                    while j < n and j - i < limit:
+                        nxt = its[j]
+                        if nxt[1] != "batch" or nxt[2] != seq + (j - i) or nxt[5] != run:
+                            break
+                        j += 1
+                h = plane_headers(kind, spec.name, topic, spec.rank, seq, run, missed, reason, spec.model)
+                if j - i > 1:
+                    h[COUNT] = str(j - i)
+                    body = pack([it[3] for it in its[i:j]])
+                msgs.append((pod.subject, body, h))
+                i = j
+        return msgs
 
     # ---- the loop ---------------------------------------------------------------------------
 

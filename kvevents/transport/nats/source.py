@@ -5,9 +5,10 @@
 order, ``health()`` per pod — but read from the stream, so a router that starts late, or again,
 reads everything the stream still holds from ``start_seq`` (a snapshot's covered seq + 1).
 
-Flow: nats-py runs on a dedicated thread; a fetch task pulls up to ``fetch_batch`` messages at a
-time into a queue bounded by ``max_queued`` messages (when it is full the task waits — counted in
-``stats()['queue_full_waits']`` — and the server holds the rest: the consumer's
+Flow: nats-py runs on a dedicated thread; a pull task keeps pull requests of ``fetch_batch``
+messages outstanding and every message goes into a queue as it arrives, bounded by
+``max_queued`` messages (queued plus requested: when it is full no new request goes out —
+counted in ``stats()['queue_full_waits']`` — and the server holds the rest: the consumer's
 ``max_ack_pending`` is the in-flight window). ``poll()`` hands the caller what is queued. The
 consumer acknowledges "all up to here" (AckAll): with ``auto_ack`` every ``poll()`` first
 acknowledges what the previous one returned (the caller applied it before polling again, as
@@ -142,47 +143,83 @@ class JetStreamSource(EventSource):
                                  max_ack_pending=self.window, filter_subject=self.filter_subject,
                                  ack_wait=30.0, **policy)
         await self.js.add_consumer(self.stream.name, cfg)
-        self.psub = await self.js.pull_subscribe_bind(self.durable, self.stream.name)
-        self._room = asyncio.Event()
+        # continuous pull: requests of ``fetch_batch`` messages, each on its own reply subject,
+        # kept outstanding so that messages flow into the queue as the server stores them (a
+        # fetch that waits for a whole batch, or for its timeout, would add that wait to the lag)
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream.name}.{self.durable}"
+        self._inbox = self.nc.new_inbox()
+        #: reply subject -> [messages still due, local expiry], oldest first (a delivered message
+        #: carries its own subject, not the request's: only the end of a request, a status, names it)
+        self._pulls: dict[str, list] = {}
+        self._npull = 0
+        self._wake = asyncio.Event()
+        self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
         await self._refresh_last()
-        self._task = asyncio.get_running_loop().create_task(self._fetch_loop())
+        self._task = asyncio.get_running_loop().create_task(self._pull_loop())
 
     async def _refresh_last(self) -> None:
         info = await self.js.stream_info(self.stream.name)
         self.stream_last = info.state.last_seq
 
-    async def _fetch_loop(self) -> None:
-        from nats.errors import TimeoutError as NatsTimeout
+    PULL_EXPIRES = 2.0  #: seconds a pull request waits at the server for messages
 
+    async def _pull_loop(self) -> None:
         next_info = 0.0
+        blocked = False
         while not self._closed:
-            if len(self._queue) + self.fetch_batch > self.max_queued:
-                self._stats["queue_full_waits"] += 1
-                self._room.clear()
-                try:
-                    await asyncio.wait_for(self._room.wait(), 0.5)
-                except asyncio.TimeoutError:
-                    pass
-                continue
+            now = time.monotonic()
             try:
-                now = time.monotonic()
                 if now >= next_info:
                     next_info = now + 1.0
                     await self._refresh_last()
-                msgs = await self.psub.fetch(self.fetch_batch, timeout=0.25)
-            except (NatsTimeout, asyncio.TimeoutError):
-                continue
+                pulls = self._pulls
+                for subj in [k for k, v in pulls.items() if now > v[1]]:
+                    del pulls[subj]  # its end (a 408) never came: lost with a connection
+                due = sum(v[0] for v in pulls.values())
+                room = self.max_queued - len(self._queue) - due
+                if due < self.fetch_batch:
+                    if room >= self.fetch_batch:
+                        blocked = False
+                        self._npull += 1
+                        subj = f"{self._inbox}.{self._npull}"
+                        pulls[subj] = [self.fetch_batch, now + self.PULL_EXPIRES + 1.0]
+                        req = b'{"batch":%d,"expires":%d}' % (self.fetch_batch, int(self.PULL_EXPIRES * 1e9))
+                        await self.nc.publish(self._next_subject, req, reply=subj)
+                        continue
+                    if not blocked:
+                        blocked = True
+                        self._stats["queue_full_waits"] += 1
             except asyncio.CancelledError:
                 return
             except Exception:
                 if self._closed:
                     return
-                self._stats["fetch_errors"] += 1
-                await asyncio.sleep(0.2)  # the connection is down: nats-py reconnects by itself
-                continue
-            with self._cond:
-                self._queue.extend(msgs)
-                self._cond.notify()
+                self._stats["fetch_errors"] += 1  # the connection is down: nats-py reconnects by itself
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+            except asyncio.CancelledError:
+                return
+
+    async def _on_msg(self, msg) -> None:
+        hdr = msg.headers
+        if hdr is not None and "Status" in hdr and not msg.data:
+            if hdr["Status"] != "100":  # 404/408 (no messages, expired), 409 (over a limit): that pull is over
+                self._pulls.pop(msg.subject, None)
+                self._wake.set()
+            return
+        pulls = self._pulls
+        if pulls:  # the server fills its waiting pull requests in order: this one counts against the oldest
+            head = next(iter(pulls))
+            pulls[head][0] -= 1
+            if pulls[head][0] <= 0:
+                del pulls[head]
+                self._wake.set()
+        with self._cond:
+            self._queue.append(msg)
+            self._cond.notify()
 
     # ---- caller thread ------------------------------------------------------------------------
 
@@ -217,7 +254,7 @@ class JetStreamSource(EventSource):
         if not msgs:
             return []
         if len(self._queue) + self.fetch_batch <= self.max_queued:
-            self._lt.loop.call_soon_threadsafe(self._room.set)
+            self._lt.loop.call_soon_threadsafe(self._wake.set)
         out: list[Delivery] = []
         now = time.time()
         check = self._next_stream >= 0

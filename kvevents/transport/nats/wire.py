@@ -91,7 +91,11 @@ class PlaneMsg:
 
 def pack(payloads: list[bytes]) -> bytes:
     """Several consecutive batches' payloads as one message body (see ``Kv-Count``)."""
-    return b"".join(len(p).to_bytes(4, "big") + p for p in payloads)
+    parts = []
+    for p in payloads:  # one copy of each payload (into the joined body), not two
+        parts.append(len(p).to_bytes(4, "big"))
+        parts.append(p)
+    return b"".join(parts)
 
 
 def unpack(body: bytes, count: int) -> list[bytes]:
