@@ -54,3 +54,5 @@ class PublisherHealth:
     malformed: dict[str, int] = field(default_factory=dict)  #: by kind: frames, seq, payload, replay
     probes: int = 0  #: replay probes sent while the publisher was quiet (finds a tail lost while idle)
     join_retries: int = 0  #: late join: initial replay requests sent again (no answer in time)
+    reconnects: int = 0  #: the publisher came back over a new connection (each one is checked for a restart)
+    unverified_resets: int = 0  #: RESETs on a reconnect that could not be checked (no replay endpoint, no answer)

@@ -192,20 +192,25 @@ class SeqTracker:
             self._abandon(out, now)
         return out
 
-    def restarted(self, now: float) -> list[Delivery]:
-        """The publisher restarted without its seq going backwards: RESET, then its new run from 0.
+    def restarted(self, now: float, *, verified: bool = True) -> list[Delivery]:
+        """The publisher restarted without its seq going backwards: RESET, then its new run from 0
+        (by replay; without a replay endpoint the next live batch's seqs before it are a GAP).
+        ``verified=False``: a reconnect that could not be checked is taken for a restart (counted).
 
         Live batches held for a replay belong to the new run: they stay held.
         """
         out: list[Delivery] = []
         self.health.resets += 1
+        if not verified:
+            self.health.unverified_resets += 1
         out.append(Delivery(RESET, self.publisher, self.topic, 0, None, now))
         self.expected = 0
         self.live_high = max(self.pending, default=-1)
         self.attempts = 0
         self.probing = False
         self.late = False
-        self._recover(0, now)
+        if self.can_replay:
+            self._recover(0, now)
         return out
 
     def check(self, now: float, *, probe: bool = False) -> bool:

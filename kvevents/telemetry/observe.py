@@ -50,6 +50,8 @@ _SUB_COUNTERS = {
     "kvevents.subscriber.resets": "resets",
     "kvevents.subscriber.probes": "probes",
     "kvevents.subscriber.join_retries": "join_retries",
+    "kvevents.subscriber.reconnects": "reconnects",
+    "kvevents.subscriber.unverified_resets": "unverified_resets",
 }
 _SUB_TOTALS = {  # subscriber-wide (stats()), not per publisher
     "kvevents.subscriber.publishers.refused": "publishers_refused",

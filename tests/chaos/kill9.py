@@ -13,13 +13,14 @@ from pathlib import Path
 from kvevents import DeliveryKind, Subscriber
 from kvevents.recording import RecordingReader
 
-from tests.pubsub_helpers import ipc_pair
+from tests.pubsub_helpers import free_tcp_port, ipc_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def start_publisher(pub_ep: str, rep_ep: str, run: int) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "tests.chaos.peer_publisher", pub_ep, rep_ep, str(run)],
+def start_publisher(pub_ep: str, rep_ep: str, run: int, *extra: str) -> subprocess.Popen:
+    """A ``peer_publisher`` process (``extra``: its options, e.g. ``--connect TOPIC``), once it is up."""
+    p = subprocess.Popen([sys.executable, "-m", "tests.chaos.peer_publisher", pub_ep, rep_ep, str(run), *extra],
                          cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
     return p
@@ -52,11 +53,25 @@ def judge(deliveries) -> dict[str, int]:
     return out
 
 
-def kill_restart_rounds(rounds: int, rnd: random.Random, *, sub_timeout: float = 30.0) -> dict[str, int]:
+def run_of(d) -> int:
+    return int(d.batch.ts) // 1_000_000
+
+
+def kill_restart_rounds(rounds: int, rnd: random.Random, *, sub_timeout: float = 30.0,
+                        bind: bool = False) -> dict[str, int]:
+    """A publisher process killed -9 after a random number of its batches arrived, and started
+    again on the same endpoints, ``rounds`` times; the deliveries judged. ``bind``: the subscriber
+    binds (tcp loopback) and the publishers connect to it under one topic."""
     pub_ep, rep_ep = ipc_pair()
-    sub = Subscriber([(pub_ep, rep_ep)], replay_timeout=2.0)
+    extra: tuple[str, ...] = ()
+    if bind:
+        pub_ep = f"tcp://127.0.0.1:{free_tcp_port()}"
+        sub = Subscriber(bind=pub_ep, replay_endpoints={"kv@p@m": rep_ep}, replay_timeout=2.0)
+        extra = ("--connect", "kv@p@m")
+    else:
+        sub = Subscriber([(pub_ep, rep_ep)], replay_timeout=2.0)
     got = []
-    proc = start_publisher(pub_ep, rep_ep, 1)
+    proc = start_publisher(pub_ep, rep_ep, 1, *extra)
     try:
         for run in range(1, rounds + 1):
             want = rnd.randrange(1, 60)  # kill after this many of this run's batches arrived
@@ -70,7 +85,7 @@ def kill_restart_rounds(rounds: int, rnd: random.Random, *, sub_timeout: float =
             assert seen >= want, f"run {run}: {seen} of {want} batches arrived"
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-            proc = start_publisher(pub_ep, rep_ep, run + 1)
+            proc = start_publisher(pub_ep, rep_ep, run + 1, *extra)
         end = time.monotonic() + sub_timeout
         while time.monotonic() < end and not any(
                 d.kind is DeliveryKind.BATCH and int(d.batch.ts) // 1_000_000 == rounds + 1 for d in got[-50:]):
@@ -81,6 +96,7 @@ def kill_restart_rounds(rounds: int, rnd: random.Random, *, sub_timeout: float =
         sub.close()
     result = judge(got)
     result["restarts"] = rounds
+    result["reconnects"] = sub.stats()["reconnects"]
     return result
 
 

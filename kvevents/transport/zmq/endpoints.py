@@ -69,3 +69,30 @@ def should_bind(endpoint: str, mode: str = "auto") -> bool:
         return True
     host = endpoint.split("://", 1)[1].rpartition(":")[0]
     return host in _WILDCARDS
+
+
+def probe_replay_endpoint(ctx, endpoint: str, timeout: float) -> bool:
+    """Ask the replay socket at ``endpoint`` for an empty replay: True when its end marker came
+    back within ``timeout`` seconds (ZeroMQ connects lazily: this finds an unreachable one)."""
+    import time
+
+    import zmq
+
+    from .frames import PROBE_SEQ, is_end_marker
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart((b"", PROBE_SEQ), zmq.NOBLOCK)
+        deadline = time.monotonic() + timeout
+        while sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            if is_end_marker(sock.recv_multipart()):
+                return True
+            if time.monotonic() >= deadline:
+                break
+        return False
+    except zmq.ZMQError:
+        return False
+    finally:
+        sock.close(0)

@@ -10,20 +10,29 @@
   send) so an idle poll costs O(active), not O(publishers), and a heap of idle-probe times.
 
 Restart detection without a run id on the wire (vLLM's frames have none): a restarted
-publisher is a new connection, so when the SUB socket's monitor reports a reconnect the
-subscriber holds live batches and asks for replay from the anchor's seq; the publisher's copy
-of that batch must be the anchor's payload. Another payload under that seq, or no batch at it
-at all (the new ring is behind, or has moved past it), means another run: RESET, then the new
-run from seq 0. The monitor's event precedes the new connection's first message (the
-handshake completes before data flows, and the monitor is polled before the SUB socket), so
-the new run's batches are held, not spliced. Gap replays and idle probes ask from the next
-expected seq as vLLM's subscriber would (the wire is unchanged for them).
+publisher is a new connection, so when the SUB socket's monitor reports a reconnect (bind mode:
+see :mod:`.conns`) the peer is *suspect*: the subscriber holds live batches and asks for replay
+from the anchor's seq; the publisher's copy of that batch must be the anchor's payload. Another
+payload under that seq, or no batch at it at all (the new ring is behind, or has moved past
+it), means another run: RESET, then the new run from seq 0. The monitor's event precedes the
+new connection's first message (the handshake completes before data flows, and the monitor is
+polled before the SUB socket), so the new run's batches are held, not spliced. Until the
+check's answer every request the peer makes is such a check (an idle probe in flight when the
+reconnect comes becomes one), and a check left unanswered with live batches held is a RESET
+(``unverified_resets``): what cannot be verified is not spliced on.
+
+An idle probe is such a check too: it is sent while the publisher is quiet, maybe down, and a
+request sent while the publisher is down waits in the DEALER and is answered by whatever binds
+the replay endpoint next. An idle publisher of the same run still holds the anchor (only newer
+batches evict it, and losing a ring's worth of them is a GAP anyway), so no batch at the
+anchor's seq means another run there too. A gap's replay asks from the first missing seq, as
+vLLM's subscriber does (it follows a live batch: the publisher was up a moment ago).
 
 Idle-tail probes: a publisher silent for ``probe_after`` seconds gets a replay request from
-its next expected seq (the anchor included, so it is a restart check too); batches coming back
+its next expected seq (from the anchor, so it is a restart check too); batches coming back
 were lost at the end of a burst and are delivered as a healed gap. Probes back off (doubling,
 up to ``max(stale_after, probe_after)``) while the publisher stays silent; a live batch resets
-the interval. A probe that finds nothing reports nothing.
+the interval. A probe that finds the anchor and nothing after it reports nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from ...tracker import SeqTracker
 
 __all__ = ["Peer", "PeerTable", "CHECK_RECONNECT", "reconnected"]
 
-#: verify after the SUB socket reconnected: a different payload, or no batch at the anchor's seq, is a restart
+#: verify (after a reconnect, or by an idle probe): a different payload, or no batch at the
+#: anchor's seq, is a restart
 CHECK_RECONNECT = 2
 
 
@@ -45,7 +55,8 @@ class Peer:
     """Sockets, tracker and restart anchor of one publisher."""
 
     __slots__ = ("name", "replay_endpoint", "sub", "dealer", "monitor", "tracker", "anchor_seq", "anchor",
-                 "anchor_run", "checking", "check_kind", "connects", "probe_ivl", "probed_at", "gone", "bind")
+                 "anchor_run", "checking", "check_kind", "check_run", "connects", "probe_ivl", "probed_at", "gone", "bind",
+                 "suspect", "fd", "moved")
 
     def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker, bind: bool = False) -> None:
         self.name = name
@@ -59,6 +70,10 @@ class Peer:
         self.anchor_run = 0  #: the tracker's ``resets`` when the anchor was taken (a RESET voids it)
         self.checking = -1  #: the anchor seq the replay in flight must start with (-1: none)
         self.check_kind = 0
+        self.check_run = 0  #: the tracker's ``resets`` when the check was asked (a RESET since: moot)
+        self.suspect = False  #: reconnected, not yet verified: every replay asked is a reconnect check
+        self.fd = -1  #: bind mode: the connection (file descriptor) its frames last came over
+        self.moved = False  #: bind mode: that connection closed; its next frame comes over another
         self.connects = 0  #: SUB socket connections made (a second one is a reconnect)
         self.probe_ivl = 0.0
         self.probed_at = 0.0
@@ -66,10 +81,13 @@ class Peer:
         self.bind = bind  #: learnt from a topic on the bind socket (may be expired)
 
     def replay_start(self, start: int, strict: bool) -> int:
-        """Where to start a replay asked from ``start``: at the anchor for a reconnect check."""
-        if strict and self.has_anchor() and self.anchor_seq < start:
+        """Where to start a replay asked from ``start``: at the anchor, when one is held, for a
+        reconnect check (``strict``, or while ``suspect``) and an idle probe, so that the first
+        answer verifies the run; a gap's replay starts at ``start``, as vLLM's subscriber asks."""
+        if self.has_anchor() and self.anchor_seq < start and (strict or self.suspect or self.tracker.probing):
             self.checking = self.anchor_seq
             self.check_kind = CHECK_RECONNECT
+            self.check_run = self.tracker.health.resets
             return self.anchor_seq
         self.checking = -1
         self.check_kind = 0
@@ -83,6 +101,10 @@ class Peer:
         kind, anchor_seq = self.check_kind, self.checking
         self.checking = -1
         self.check_kind = 0
+        if self.check_run != self.tracker.health.resets:
+            return False  # a RESET came first (the seq went backwards): this check is moot
+        if kind == CHECK_RECONNECT:
+            self.suspect = False  # verified now, one way or the other
         if seq == anchor_seq:
             return payload != self.anchor
         return kind == CHECK_RECONNECT  # the anchor is not there: unverifiable, and after a reconnect that is a new run
@@ -136,6 +158,24 @@ class PeerTable:
         self.by_name.pop(peer.name, None)
         self._lru.pop(peer.name, None)
         self.active.discard(peer)
+
+    def totals(self, malformed: dict[str, int]) -> dict[str, int]:
+        """Counters summed over publishers; ``malformed`` (the shared socket's) plus each one's, by kind."""
+        out = {"publishers": len(self.by_name), "publishers_active": len(self.active),
+               "publishers_refused": self.refused, "publishers_expired": self.expired}
+        names = ("received", "gaps", "recovered", "unrecoverable", "resets", "probes", "join_retries", "reconnects",
+                 "unverified_resets")
+        out.update(dict.fromkeys(names, 0))
+        kinds = dict(malformed)
+        for peer in self.by_name.values():
+            h = peer.tracker.health
+            for k in names:
+                out[k] += getattr(h, k)
+            for k, v in h.malformed.items():
+                kinds[k] = kinds.get(k, 0) + v
+        out["malformed"] = sum(kinds.values())
+        out.update({f"malformed_{k}": v for k, v in kinds.items()})
+        return out
 
     def _schedule(self, peer: Peer, when: float) -> None:
         self._n += 1

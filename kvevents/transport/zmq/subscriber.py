@@ -7,15 +7,13 @@ Two ways to meet publishers:
   else its endpoint), whatever topic it uses;
 * bind mode: ``Subscriber(bind="tcp://127.0.0.1:5557", replay_endpoints={topic: endpoint})`` —
   the subscriber binds and publishers connect (vLLM publishers whose endpoint names a
-  concrete host connect); publishers are told apart by topic, so give each its own.
+  concrete host connect); publishers are told apart by topic, so give each its own. Restarts
+  are found from the connections (:mod:`.conns`), as connect mode finds them from its own socket.
 
-``poll(timeout_ms)`` does the socket work in the calling thread and returns deliveries;
-iterating the subscriber (``for d in sub``) polls until ``close()``; ``deliveries(duration=...)``
-stops by itself; ``async for d in sub`` runs the polls on a dedicated thread.
-
-Malformed input (a wrong frame count, a short seq, an undecodable payload, a bad replay
-answer) is counted by kind in ``health()`` and skipped; an undecodable payload whose seq is
-known becomes a GAP delivery, so a consumer knows its state may be incomplete.
+``poll(timeout_ms)`` does the socket work in the calling thread; ``for d in sub`` polls until
+``close()``; ``deliveries(duration=...)`` stops by itself; ``async for`` polls on a thread.
+Malformed input is counted by kind in ``health()`` and skipped; an undecodable payload whose
+seq is known becomes a GAP delivery, so a consumer knows its state may be incomplete.
 """
 
 from __future__ import annotations
@@ -29,17 +27,18 @@ from dataclasses import dataclass, replace
 import zmq
 
 from ...codec import decode_batch
-from ...delivery import Delivery, HealthState, PublisherHealth
+from ...delivery import Delivery, PublisherHealth
 from ...errors import DecodeError, EndpointError
 from ...source import EventSource
 from ...tracker import SeqTracker
-from .endpoints import validate_endpoint
-from .frames import END_SEQ, PROBE_SEQ, is_end_marker, is_replay_answer, replay_request
+from .conns import BindConnections
+from .endpoints import probe_replay_endpoint, validate_endpoint
+from .frames import is_end_marker, is_replay_answer, replay_request
 from .peers import Peer, PeerTable, reconnected
 
 __all__ = ["Subscriber", "PublisherSpec"]
 
-NOBLOCK, RCVMORE = zmq.NOBLOCK, zmq.RCVMORE
+NOBLOCK, RCVMORE, SRCFD = zmq.NOBLOCK, zmq.RCVMORE, zmq.SRCFD
 #: messages taken from one socket per poll: keeps publishers fair and the deliveries a poll
 #: holds (and the garbage collector scans) small
 _DRAIN = 64
@@ -95,6 +94,7 @@ class Subscriber(EventSource):
         self._rcvhwm = rcvhwm
         self._replay_map = dict(replay_endpoints or {})
         self._bind_sub = None
+        self._conns: BindConnections | None = None  # bind mode: who is on which connection
         self._closed = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         #: telemetry hook object (installed by kvevents.telemetry; None: the cost is one check)
@@ -114,6 +114,8 @@ class Subscriber(EventSource):
             if bind is not None:
                 validate_endpoint(bind, what="bind endpoint")
                 sock = self._new_sub()
+                self._conns = BindConnections(sock)  # its monitor first: polled before the socket
+                self._register(self._conns.monitor, "bindmon", None)
                 sock.bind(bind)
                 self._bind_sub = sock
                 self._register(sock, "bind", None)
@@ -169,6 +171,7 @@ class Subscriber(EventSource):
         ok, expired = self._table.make_room(now)
         if expired is not None:
             self._drop_dealer(expired)
+            self._conns.forget(expired)
         return self._make_peer(topic, self._replay_map.get(topic), topic, bind=True) if ok else None
 
     def _add_peer(self, spec: PublisherSpec) -> None:
@@ -225,8 +228,13 @@ class Subscriber(EventSource):
                 continue
             if kind == "monitor":
                 if reconnected(peer):
+                    peer.tracker.health.reconnects += 1
                     self._check_reconnect(peer, now)
                 continue
+            if kind == "bindmon":
+                self._conns.read_events()
+                continue
+            watch = kind == "bind" and self._conns.fresh  # a new connection: learn whose it is
             if tap is not None:
                 where = ("replay" if kind == "replay" else "pub", None if peer is None else peer.name)
             recv = sock.recv
@@ -234,7 +242,12 @@ class Subscriber(EventSource):
             for _ in range(_DRAIN):  # bounded drain per socket keeps publishers fair
                 # frame by frame: pyzmq's recv_multipart costs ~2x as much per message
                 try:
-                    frames = [recv(NOBLOCK)]
+                    if watch:
+                        first = recv(NOBLOCK, copy=False)
+                        fd = first.get(SRCFD)
+                        frames = [first.bytes]
+                    else:
+                        frames = [recv(NOBLOCK)]
                 except zmq.Again:
                     break
                 while more(RCVMORE):
@@ -245,6 +258,9 @@ class Subscriber(EventSource):
                     self._on_replay(peer, frames, now, out)
                     if peer.dealer is not sock:
                         break
+                elif watch:
+                    self._on_live(peer, frames, now, out, fd)
+                    watch = self._conns.fresh
                 else:
                     self._on_live(peer, frames, now, out)
         table = self._table
@@ -255,6 +271,11 @@ class Subscriber(EventSource):
         for peer in list(table.active):  # O(active): idle publishers cost nothing here
             tracker = peer.tracker
             if tracker.recovering:
+                if peer.suspect and tracker.pending and now >= tracker.deadline:
+                    # a reconnect check went unanswered with the new connection's batches held:
+                    # they cannot be verified, so they are not spliced on either
+                    self._restart(peer, now, out, verified=False)
+                    continue
                 out.extend(tracker.tick(now))
                 if not tracker.recovering:
                     self._drop_dealer(peer)
@@ -276,22 +297,41 @@ class Subscriber(EventSource):
         d[kind] = d.get(kind, 0) + 1
 
     def _check_reconnect(self, peer: Peer, now: float) -> None:
-        """The SUB socket connected again: maybe to another run. Replay from the anchor, strictly."""
+        """The publisher reconnected: maybe another run. Hold live batches, replay from the anchor
+        and compare (strictly: no batch there is a restart too); until that answer, the peer is
+        ``suspect`` and every request it makes is such a check."""
         tracker = peer.tracker
         if not peer.has_anchor() or tracker.expected is None:
             return
+        peer.suspect = True
+        tracker.probing = False  # an idle probe in flight becomes this check: live batches are held
         if not tracker.check(now):  # a replay already in flight: ask again, from the anchor
             tracker.request = tracker.expected
             tracker.deadline = now + tracker.replay_timeout
         self._send_request(peer, strict=True)
 
-    def _restart(self, peer: Peer, now: float, out: list[Delivery]) -> None:
-        """The anchor's payload changed under its seq: another run. RESET, then it from 0."""
-        out.extend(peer.tracker.restarted(now))
+    def _reconnected(self, peer: Peer, seq: int, now: float, out: list[Delivery]) -> None:
+        """Bind mode: a topic heard before came back over another connection (see .conns)."""
+        peer.moved = False
+        tracker = peer.tracker
+        tracker.health.reconnects += 1
+        if tracker.expected is None or seq <= tracker.live_high:
+            return  # nothing delivered yet, or the seq went backwards: the tracker says RESET itself
+        if peer.replay_endpoint:
+            self._check_reconnect(peer, now)
+        else:  # nothing to verify against: the reconnect is a RESET (a blip costs a re-learn, never a splice)
+            out.extend(tracker.restarted(now, verified=False))
+            peer.anchor, peer.anchor_seq = None, -1
+
+    def _restart(self, peer: Peer, now: float, out: list[Delivery], verified: bool = True) -> None:
+        """The anchor's payload changed under its seq (or could not be checked): RESET, then the new run from 0."""
+        peer.suspect = False
+        peer.checking = -1
+        out.extend(peer.tracker.restarted(now, verified=verified))
         peer.anchor, peer.anchor_seq = None, -1
         self._send_request(peer)
 
-    def _on_live(self, peer: Peer | None, frames: list[bytes], now: float, out: list[Delivery]) -> None:
+    def _on_live(self, peer: Peer | None, frames: list[bytes], now: float, out: list[Delivery], fd: int = -1) -> None:
         if len(frames) != 3:
             self._count(peer, "frames")
             return
@@ -307,6 +347,10 @@ class Subscriber(EventSource):
                 if peer is None:
                     return  # refused: at max_publishers (counted)
             self._table.heard(peer)
+            if (fd >= 0 and self._conns.attribute(peer, fd)) or peer.moved:
+                self._reconnected(peer, int.from_bytes(seq_b, "big"), now, out)
+        if peer.suspect and not peer.tracker.recovering:  # a reconnect not verified yet: hold, check again
+            self._check_reconnect(peer, now)
         hooks = self.hooks
         if hooks is not None:
             t0 = time.time_ns()  # (~50 ns; the seq is not known until after the decode)
@@ -425,21 +469,7 @@ class Subscriber(EventSource):
 
     def stats(self) -> dict[str, int]:
         """Counters summed over publishers (malformed by kind as ``malformed_<kind>``)."""
-        table = self._table
-        totals = {"publishers": len(table), "publishers_active": len(table.active),
-                  "publishers_refused": table.refused, "publishers_expired": table.expired, "received": 0,
-                  "gaps": 0, "recovered": 0, "unrecoverable": 0, "resets": 0, "probes": 0, "join_retries": 0,
-                  "malformed": 0}
-        kinds: dict[str, int] = dict(self._malformed)
-        for peer in self._peers.values():
-            h = peer.tracker.health
-            for k in ("received", "gaps", "recovered", "unrecoverable", "resets", "probes", "join_retries"):
-                totals[k] += getattr(h, k)
-            for k, v in h.malformed.items():
-                kinds[k] = kinds.get(k, 0) + v
-        totals["malformed"] = sum(kinds.values())
-        totals.update({f"malformed_{k}": v for k, v in kinds.items()})
-        return totals
+        return self._table.totals(self._malformed)
 
     def probe_replay(self, timeout: float = 1.0) -> dict[str, bool]:
         """Ask each replay endpoint for an empty replay; True where the end marker came back in time.
@@ -448,27 +478,10 @@ class Subscriber(EventSource):
         """
         result = {}
         for name, peer in self._peers.items():
-            if not peer.replay_endpoint:
-                continue
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            try:
-                sock.connect(peer.replay_endpoint)
-                sock.send_multipart((b"", PROBE_SEQ), zmq.NOBLOCK)
-                deadline = time.monotonic() + timeout
-                ok = False
-                while not ok and sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-                    frames = sock.recv_multipart()
-                    ok = is_end_marker(frames)
-                    if time.monotonic() >= deadline:
-                        break
-                result[name] = ok
+            if peer.replay_endpoint:
+                result[name] = ok = probe_replay_endpoint(self._ctx, peer.replay_endpoint, timeout)
                 if ok:
                     peer.tracker.heard = True  # the publisher's replay socket answered: not CONNECTING
-            except zmq.ZMQError:
-                result[name] = False
-            finally:
-                sock.close(0)
         return result
 
     def close(self) -> None:
@@ -478,14 +491,10 @@ class Subscriber(EventSource):
         for peer in self._peers.values():
             if peer.monitor is not None:
                 peer.sub.disable_monitor()
+        if self._conns is not None:
+            self._bind_sub.disable_monitor()
         for sock in list(self._by_sock):
             sock.close(0)
         self._by_sock.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=False)
-
-    def __enter__(self) -> "Subscriber":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -1,0 +1,92 @@
+"""The windows in which a publisher restart used to go unseen in connect mode (issue 10 item 2's
+last splice in the kill -9 run), each made deterministic: the restarted publisher's replay
+socket answers a request the subscriber sent while it was down, before (or without) the SUB
+socket's reconnect."""
+
+from __future__ import annotations
+
+import kvevents
+from kvevents import DeliveryKind, Subscriber, ZmqEventPublisher
+
+from ..pubsub_helpers import batch, collect, ipc_pair, seqs, wait_connected
+
+BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
+
+
+def _old_run(sub, ep, rep) -> int:
+    """Run 1 delivers 10 batches and stops; returns its last seq."""
+    pub = ZmqEventPublisher(ep, rep)
+    try:
+        start = wait_connected(pub, sub)
+        for i in range(10):
+            pub.publish(batch(i))
+        collect(sub, lambda g: start + 9 in seqs(g))
+    finally:
+        pub.shutdown()
+    return start + 9
+
+
+def _new_run(ep, rep, first: int) -> ZmqEventPublisher:
+    """Run 2, already past run 1's seq: its first batch is ``first``."""
+    pub = ZmqEventPublisher(ep, rep)
+    pub.publish_raw(kvevents.encode_batch(batch(2000)), seq=first)
+    for i in range(5):
+        pub.publish(batch(2001 + i))
+    return pub
+
+
+def test_an_idle_probe_answered_by_the_next_run_is_a_reset_not_a_healed_gap() -> None:
+    """The publisher goes down; the subscriber's idle probe waits in its DEALER; the next run binds
+    the replay endpoint and answers it. Here the SUB never reconnects (the new run publishes
+    elsewhere), so only the probe's answer can tell: it starts at the last delivered batch, whose
+    payload the new run does not have. Before: its batches were delivered as the old run's tail."""
+    ep, rep = ipc_pair()
+    sub = Subscriber([(ep, rep, "p")], tail_probe_after=0.02, replay_timeout=60.0, stale_after=3600.0)
+    pub = None
+    try:
+        last = _old_run(sub, ep, rep)
+        collect(sub, lambda g: sub.health()["p"].probes >= 1)  # a probe is out, to nobody
+        pub = _new_run(ipc_pair()[0], rep, last + 5)
+        got = collect(sub, lambda g: RESET in [d.kind for d in g] and len(seqs(g)) >= 6)
+    finally:
+        sub.close()
+        if pub is not None:
+            pub.shutdown()
+    kinds = [d.kind for d in got]
+    before = [d for d in got[:kinds.index(RESET)] if d.kind is not RESET]
+    assert not before, f"the new run taken for the old one's tail: {[(d.kind.value, d.seq) for d in before]}"
+    after = got[kinds.index(RESET) + 1:]
+    assert after[0].kind is GAP and (after[0].seq, after[0].missed) == (0, last + 5)
+    assert [d.seq for d in after[1:7]] == list(range(last + 5, last + 11))
+    assert [d.batch for d in after[1:7]] == [batch(2000 + i) for i in range(6)]
+    assert sub.health()["p"].resets == 1
+
+
+def test_a_reconnect_while_a_probe_is_out_keeps_the_new_runs_batches_held() -> None:
+    """An idle probe is out when the SUB reconnects to the next run, whose replay socket is not
+    up: the reconnect's check takes the probe's place, so the new run's live batches stay held
+    and, the check going unanswered, are a RESET (unverified). Before: the first live batch
+    cancelled the probe, and with it the check, and the new run was spliced on after a GAP."""
+    ep, rep = ipc_pair()
+    sub = Subscriber([(ep, rep, "p")], tail_probe_after=0.02, replay_timeout=1.0, stale_after=3600.0)
+    pub = None
+    try:
+        last = _old_run(sub, ep, rep)
+        collect(sub, lambda g: sub.health()["p"].probes >= 1)
+        pub = ZmqEventPublisher(ep)  # no replay socket (yet)
+        first = [last + 5]
+        pub.publish_raw(kvevents.encode_batch(batch(2000)), seq=first[0])
+        got = collect(sub, lambda g: RESET in [d.kind for d in g] and len(seqs(g)) >= 3,
+                      pump=lambda: pub.publish(batch(2001)))
+    finally:
+        sub.close()
+        if pub is not None:
+            pub.shutdown()
+    kinds = [d.kind for d in got]
+    before = [d for d in got[:kinds.index(RESET)]]
+    assert not before, f"the new run spliced onto the old one: {[(d.kind.value, d.seq) for d in before]}"
+    after = got[kinds.index(RESET) + 1:]
+    assert after[0].kind is GAP and after[0].seq == 0
+    assert all(d.batch.ts >= batch(2000).ts for d in after if d.kind is BATCH)
+    h = sub.health()["p"]
+    assert (h.resets, h.unverified_resets) == (1, 1) and h.reconnects >= 1
