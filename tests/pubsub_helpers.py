@@ -19,10 +19,20 @@ def ipc_pair() -> tuple[str, str]:
     return f"ipc://{_TMP}/{os.getpid()}-{n}.pub", f"ipc://{_TMP}/{os.getpid()}-{n}.rep"
 
 
+_given: set[int] = set()
+
+
 def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on now, never one this process was given before (the
+    kernel can hand the same free port out twice in a row: a test taking two got one port for
+    both its PUB and replay sockets, 'Address already in use')."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _given:
+            _given.add(port)
+            return port
 
 
 def batch(i: int, n_events: int = 1) -> KVEventBatch:
