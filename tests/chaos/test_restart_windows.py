@@ -54,7 +54,7 @@ def test_an_idle_probe_answered_by_the_next_run_is_a_reset_not_a_healed_gap() ->
             pub.shutdown()
     kinds = [d.kind for d in got]
     before = [d for d in got[:kinds.index(RESET)] if d.kind is not RESET]
-    assert not before, f"the new run taken for the old one's tail: {[(d.kind.value, d.seq) for d in before]}"
+    assert not before, f"the new run taken for the old one's tail: {[(d.kind.value, d.seq) for d in before][:5]}"
     after = got[kinds.index(RESET) + 1:]
     assert after[0].kind is GAP and (after[0].seq, after[0].missed) == (0, last + 5)
     assert [d.seq for d in after[1:7]] == list(range(last + 5, last + 11))
@@ -84,9 +84,63 @@ def test_a_reconnect_while_a_probe_is_out_keeps_the_new_runs_batches_held() -> N
             pub.shutdown()
     kinds = [d.kind for d in got]
     before = [d for d in got[:kinds.index(RESET)]]
-    assert not before, f"the new run spliced onto the old one: {[(d.kind.value, d.seq) for d in before]}"
+    assert not before, f"the new run spliced onto the old one: {[(d.kind.value, d.seq) for d in before][:5]}, {sub.health()['p']}"
     after = got[kinds.index(RESET) + 1:]
     assert after[0].kind is GAP and after[0].seq == 0
     assert all(d.batch.ts >= batch(2000).ts for d in after if d.kind is BATCH)
     h = sub.health()["p"]
     assert (h.resets, h.unverified_resets) == (1, 1) and h.reconnects >= 1
+
+
+def test_old_runs_batches_held_for_an_unfinished_replay_are_not_delivered_as_the_next_runs() -> None:
+    """Run 1 leaves a gap whose replay it never answers (it dies), with later live batches held;
+    run 2 comes up past run 1's last delivered seq but below those held seqs. The reconnect check
+    finds the restart: RESET, run 2 from 0 — and the held batches, run 1's, go with run 1's state.
+    Before: they were kept as run 2's and delivered after its replay (a splice, then a second RESET)."""
+    import zmq
+
+    ep, rep = ipc_pair()
+    ctx = zmq.Context.instance()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    for s in (pub, router):
+        s.setsockopt(zmq.LINGER, 0)
+    pub.bind(ep)
+    router.bind(rep)
+    old = lambda seq: [b"", seq.to_bytes(8, "big"), kvevents.encode_batch(batch(seq))]  # noqa: E731
+    sub = Subscriber([(ep, rep, "p")], tail_probe_after=None, replay_timeout=60.0)
+    new = None
+    try:
+        nxt = iter(range(10**6))
+        got = collect(sub, lambda g: bool(seqs(g)), pump=lambda: pub.send_multipart(old(next(nxt))))
+        last = next(nxt) + 9
+        for seq in range(last - 9, last + 1):
+            pub.send_multipart(old(seq))
+        got += collect(sub, lambda g: last in seqs(g))
+        for seq in (500, 501):  # the seqs after `last` missing: a replay is asked, these two held
+            pub.send_multipart(old(seq))
+        collect(sub, lambda g: router.poll(0))
+        assert int.from_bytes(router.recv_multipart()[2], "big") == last + 1
+        pub.close(0)  # run 1 dies without answering
+        router.close(0)
+        quiet = [True]  # run 2's first batches go to its ring only: the reconnect check finds it
+        new = ZmqEventPublisher(ep, rep, drop_live=lambda seq: quiet[0])
+        new.publish_raw(kvevents.encode_batch(batch(2000)), seq=100)
+        for i in range(5):
+            new.publish(batch(2001 + i))
+        got += collect(sub, lambda g: RESET in [d.kind for d in g])
+        quiet[0] = False
+        got += collect(sub, lambda g: len(seqs(g)) >= 30, pump=lambda: new.publish(batch(2010)))
+    finally:
+        sub.close()
+        for s in (pub, router):
+            s.close(0)
+        if new is not None:
+            new.shutdown()
+    kinds = [d.kind for d in got]
+    after = got[kinds.index(RESET) + 1:]
+    assert kinds.count(RESET) == 1, [(d.kind.value, d.seq) for d in got if d.kind is not BATCH][:10]
+    assert after[0].kind is GAP and (after[0].seq, after[0].missed) == (0, 100)
+    delivered = [d for d in after if d.kind is BATCH]
+    assert all(d.batch.ts >= batch(2000).ts for d in delivered), \
+        f"run 1's batches delivered as run 2's: {[d.seq for d in delivered if d.batch.ts < batch(2000).ts]}"
+    assert [d.seq for d in delivered] == list(range(100, 100 + len(delivered)))

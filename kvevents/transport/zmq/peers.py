@@ -56,7 +56,7 @@ class Peer:
 
     __slots__ = ("name", "replay_endpoint", "sub", "dealer", "monitor", "tracker", "anchor_seq", "anchor",
                  "anchor_run", "checking", "check_kind", "check_run", "connects", "probe_ivl", "probed_at", "gone", "bind",
-                 "suspect", "fd", "moved")
+                 "suspect", "fd", "moved", "old_held")
 
     def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker, bind: bool = False) -> None:
         self.name = name
@@ -74,6 +74,9 @@ class Peer:
         self.suspect = False  #: reconnected, not yet verified: every replay asked is a reconnect check
         self.fd = -1  #: bind mode: the connection (file descriptor) its frames last came over
         self.moved = False  #: bind mode: that connection closed; its next frame comes over another
+        #: seqs of live batches held when the reconnect was seen: the old connection's, so the old
+        #: run's if the check finds a restart (dropped with the old run's state by its RESET)
+        self.old_held: tuple[int, ...] = ()
         self.connects = 0  #: SUB socket connections made (a second one is a reconnect)
         self.probe_ivl = 0.0
         self.probed_at = 0.0
@@ -93,6 +96,14 @@ class Peer:
         self.check_kind = 0
         return start
 
+    def drop_old_held(self) -> None:
+        """A restart was found: the live batches held before the reconnect were the old run's."""
+        self.suspect = False
+        self.checking = -1
+        for seq in self.old_held:
+            self.tracker.pending.pop(seq, None)
+        self.old_held = ()
+
     def has_anchor(self) -> bool:
         return self.anchor is not None and self.anchor_run == self.tracker.health.resets
 
@@ -102,12 +113,16 @@ class Peer:
         self.checking = -1
         self.check_kind = 0
         if self.check_run != self.tracker.health.resets:
-            return False  # a RESET came first (the seq went backwards): this check is moot
+            restart = False  # a RESET came first (the seq went backwards): this check is moot
+        elif seq == anchor_seq:
+            restart = payload != self.anchor
+        else:  # the anchor is not there: unverifiable, and after a reconnect that is a new run
+            restart = kind == CHECK_RECONNECT
         if kind == CHECK_RECONNECT:
             self.suspect = False  # verified now, one way or the other
-        if seq == anchor_seq:
-            return payload != self.anchor
-        return kind == CHECK_RECONNECT  # the anchor is not there: unverifiable, and after a reconnect that is a new run
+        if not restart:
+            self.old_held = ()  # the same run: what was held is delivered in order
+        return restart
 
 
 class PeerTable:

@@ -229,7 +229,7 @@ class Subscriber(EventSource):
             if kind == "monitor":
                 if reconnected(peer):
                     peer.tracker.health.reconnects += 1
-                    self._check_reconnect(peer, now)
+                    self._check_reconnect(peer, now, new_connection=True)
                 continue
             if kind == "bindmon":
                 self._conns.read_events()
@@ -296,7 +296,7 @@ class Subscriber(EventSource):
         d = peer.tracker.health.malformed if peer else self._malformed
         d[kind] = d.get(kind, 0) + 1
 
-    def _check_reconnect(self, peer: Peer, now: float) -> None:
+    def _check_reconnect(self, peer: Peer, now: float, new_connection: bool = False) -> None:
         """The publisher reconnected: maybe another run. Hold live batches, replay from the anchor
         and compare (strictly: no batch there is a restart too); until that answer, the peer is
         ``suspect`` and every request it makes is such a check."""
@@ -304,6 +304,8 @@ class Subscriber(EventSource):
         if not peer.has_anchor() or tracker.expected is None:
             return
         peer.suspect = True
+        if new_connection:  # what is held so far came over the old one
+            peer.old_held = tuple(tracker.pending)
         tracker.probing = False  # an idle probe in flight becomes this check: live batches are held
         if not tracker.check(now):  # a replay already in flight: ask again, from the anchor
             tracker.request = tracker.expected
@@ -318,15 +320,14 @@ class Subscriber(EventSource):
         if tracker.expected is None or seq <= tracker.live_high:
             return  # nothing delivered yet, or the seq went backwards: the tracker says RESET itself
         if peer.replay_endpoint:
-            self._check_reconnect(peer, now)
+            self._check_reconnect(peer, now, new_connection=True)
         else:  # nothing to verify against: the reconnect is a RESET (a blip costs a re-learn, never a splice)
             out.extend(tracker.restarted(now, verified=False))
             peer.anchor, peer.anchor_seq = None, -1
 
     def _restart(self, peer: Peer, now: float, out: list[Delivery], verified: bool = True) -> None:
         """The anchor's payload changed under its seq (or could not be checked): RESET, then the new run from 0."""
-        peer.suspect = False
-        peer.checking = -1
+        peer.drop_old_held()  # the old run's, held for a replay it never finished
         out.extend(peer.tracker.restarted(now, verified=verified))
         peer.anchor, peer.anchor_seq = None, -1
         self._send_request(peer)
@@ -349,8 +350,11 @@ class Subscriber(EventSource):
             self._table.heard(peer)
             if (fd >= 0 and self._conns.attribute(peer, fd)) or peer.moved:
                 self._reconnected(peer, int.from_bytes(seq_b, "big"), now, out)
-        if peer.suspect and not peer.tracker.recovering:  # a reconnect not verified yet: hold, check again
-            self._check_reconnect(peer, now)
+        if peer.suspect:  # a reconnect not verified yet: hold, check again; never spill unverified
+            if not peer.tracker.recovering:
+                self._check_reconnect(peer, now)
+            elif len(peer.tracker.pending) >= self.max_pending:
+                self._restart(peer, now, out, verified=False)
         hooks = self.hooks
         if hooks is not None:
             t0 = time.time_ns()  # (~50 ns; the seq is not known until after the decode)
@@ -443,15 +447,12 @@ class Subscriber(EventSource):
         return self.deliveries()
 
     async def __aiter__(self) -> AsyncIterator[Delivery]:
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvevents-sub")
-        loop = asyncio.get_running_loop()
         while not self._closed:
-            for d in await loop.run_in_executor(self._executor, self.poll, 50):
+            for d in await self.apoll(50):
                 yield d
 
     async def apoll(self, timeout_ms: int = 100) -> list[Delivery]:
-        """``poll`` without blocking the event loop."""
+        """``poll`` without blocking the event loop (on a thread of its own)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvevents-sub")
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.poll, timeout_ms)
@@ -472,10 +473,8 @@ class Subscriber(EventSource):
         return self._table.totals(self._malformed)
 
     def probe_replay(self, timeout: float = 1.0) -> dict[str, bool]:
-        """Ask each replay endpoint for an empty replay; True where the end marker came back in time.
-
-        ZeroMQ connects lazily, so this is how an unreachable replay socket is found before it matters.
-        """
+        """Ask each replay endpoint for an empty replay; True where the end marker came back in time
+        (ZeroMQ connects lazily: this finds an unreachable replay socket before it matters)."""
         result = {}
         for name, peer in self._peers.items():
             if peer.replay_endpoint:
