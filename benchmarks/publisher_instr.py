@@ -1,6 +1,6 @@
 """Publisher cost in instructions: ours vs vLLM's ZmqEventPublisher, under callgrind.
 
-    python benchmarks/publisher_instr.py [--n 400] [--sub] [--only kvevents] [--no-caller]
+    python benchmarks/publisher_instr.py [--n 400] [--sub] [--only kvevents] [--no-caller] [--paced]
 
 Each publisher runs in its own child process under ``valgrind --tool=callgrind`` (ours with
 this interpreter, vLLM's with the peer venv's: ``$KVEVENTS_PEER_PYTHON``, else ``../peer-venv``;
@@ -19,6 +19,10 @@ Columns: all threads of the process; the caller's thread alone (a second run wit
 ``publish()`` calls); the rest (the sender thread, ZeroMQ's threads). Repeatable to ~1%
 Instruction counts are a proxy (a syscall or a wake-up costs far more than its instructions);
 ``benchmarks/pubsub.py`` measures the delivered rate.
+
+``--paced``: each batch is published after the previous one was sent (the sender thread asleep
+again), as an engine stepping slower than the sender does: every ``publish()`` then pays the
+wake-up of the sender, which a back-to-back burst mostly does not.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ PEER_PYTHON = os.environ.get("KVEVENTS_PEER_PYTHON") or os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "peer-venv", "bin", "python")
 
 
-def child(which: str, n: int, ep: str, rep: str, flag: str | None, n_events: int, out_dir: str) -> None:
+def child(which: str, n: int, ep: str, rep: str, flag: str | None, n_events: int, out_dir: str,
+          paced: bool = False) -> None:
     ring = 10_000  # both publishers' default buffer_steps
     if which == "vllm":
         from vllm.distributed import kv_events as kind
@@ -83,9 +88,14 @@ def child(which: str, n: int, ep: str, rep: str, flag: str | None, n_events: int
         pos += k * n
         gc.collect()  # no collection of the set-up's objects falls due inside a region
         region.start()
-        for b in chunk:
-            publish(b)
-        wait_sent()
+        if paced:
+            for b in chunk:
+                publish(b)
+                wait_sent()
+        else:
+            for b in chunk:
+                publish(b)
+            wait_sent()
         region.stop()
     pub.shutdown()
     with open(os.path.join(out_dir, "done.json"), "w") as f:
@@ -97,7 +107,8 @@ def child(which: str, n: int, ep: str, rep: str, flag: str | None, n_events: int
 read_dumps = _callgrind.read_dumps
 
 
-def measure(which: str, python: str, n: int, sub: bool, n_events: int, timeout: float, threads: bool) -> dict:
+def measure(which: str, python: str, n: int, sub: bool, n_events: int, timeout: float, threads: bool,
+            paced: bool = False) -> dict:
     """All threads' instructions per batch; with ``threads``, the caller's thread's alone
     (``--separate-threads=yes``: then a dump holds only the thread that asked for it)."""
     out = _callgrind.new_out_dir(f"kvcg-pub-{which}-")
@@ -108,6 +119,8 @@ def measure(which: str, python: str, n: int, sub: bool, n_events: int, timeout: 
             "--replay", rep, "--events-per-batch", str(n_events), "--out-dir", out]
     if flag:
         argv += ["--flag", flag]
+    if paced:
+        argv.append("--paced")
     lib = _callgrind._build_helper(out)
     env = dict(os.environ, PYTHONHASHSEED="0", KV_CALLGRIND_LIB=lib)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,6 +174,7 @@ def main() -> None:
     ap.add_argument("--only", choices=("kvevents", "vllm"), help="measure one publisher")
     ap.add_argument("--no-caller", action="store_true", help="skip the caller-thread run (one child each)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--paced", action="store_true", help="each batch after the previous one was sent")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", help=argparse.SUPPRESS)
     ap.add_argument("--replay", help=argparse.SUPPRESS)
@@ -169,7 +183,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args.child, args.n, args.endpoint, args.replay, args.flag, args.events_per_batch,
-                     args.out_dir)
+                     args.out_dir, args.paced)
     try:
         _callgrind.check_tools()
     except _callgrind.CallgrindUnavailable as exc:
@@ -186,9 +200,10 @@ def main() -> None:
     res = {}
     for which, python in plan:
         t0 = time.monotonic()
-        total = measure(which, python, args.n, args.sub, args.events_per_batch, args.timeout, threads=False)
+        total = measure(which, python, args.n, args.sub, args.events_per_batch, args.timeout, threads=False,
+                        paced=args.paced)
         caller = None if args.no_caller else measure(which, python, args.n, args.sub, args.events_per_batch,
-                                                      args.timeout, threads=True)
+                                                      args.timeout, threads=True, paced=args.paced)
         res[which] = (total["ir"], caller["ir"] if caller else None)
         print(f"# {which}: {time.monotonic() - t0:.0f} s under callgrind, dumps in {total['dumps']}"
               + (f"; SUB got {total['sub']}" if total["sub"] else ""), file=sys.stderr)
@@ -199,7 +214,8 @@ def main() -> None:
         rows.append(["ours/vllm", f"{ta / tb:.2f}x", f"{ca / cb:.2f}x" if ca and cb else None,
                      f"{(ta - ca) / (tb - cb):.2f}x" if ca and cb else None])
     print_table(f"instructions per published batch ({args.events_per_batch} GPU events; "
-                f"{'counting SUB connected' if args.sub else 'nothing connected'}; n={args.n})",
+                f"{'counting SUB connected' if args.sub else 'nothing connected'}; n={args.n}"
+                f"{'; paced: one batch per wake-up' if args.paced else ''})",
                 ["publisher", "all threads", "caller thread", "other threads"], rows)
 
 if __name__ == "__main__":
