@@ -109,9 +109,12 @@ class Ingestor:
 
     def _block_keys(self, ep: Endpoint, v: object, bs: int = 0) -> tuple[int | None, int]:
         """(last complete key, keys completed) of an engine block's learned value (``bs``: the
-        block size of the tier the hash was stored in, when it is not the endpoint's)."""
+        block size of the tier the hash was stored in, when it is not the GPU's). A plain int is
+        a block of one canonical block: a block of several carries its count in its value, so
+        what an offload joins never depends on whether the joining endpoint has told its own
+        block size yet (a replay, which knows it earlier, joins the same keys)."""
         if type(v) is int:
-            return v, ((bs or ep.block_size) // self._bs) or 1  # type: ignore[return-value]
+            return v, (bs // self._bs) or 1  # type: ignore[return-value]
         k, _tail, n = v  # type: ignore[misc]
         return (k if n else None), n
 
@@ -207,16 +210,15 @@ class Ingestor:
             self.eps.touch += 1
         if tier not in ep.token_tiers:
             ep.token_tiers.add(tier)
-        if E % C == 0 and type(pv) is int:
-            m = E // C
+        if E == C and type(pv) is int:  # (an engine block of several canonical ones: the general path)
             keys = None
-            if m == 1 and hashes[0] in lmap:  # already learned (e.g. from another pod): no hashing
+            if hashes[0] in lmap:  # already learned (e.g. from another pod): no hashing
                 keys = list(map(lmap.get, hashes))
                 if None in keys or (ep.odd[0] and not all(type(k) is int for k in keys)):
                     keys = None
             if keys is None:
                 keys = chain_keys(toks, pv, C)  # type: ignore[arg-type]
-                lmap.update(zip(hashes, keys if m == 1 else keys[m - 1 :: m]))
+                lmap.update(zip(hashes, keys))
             parent = None if ph is None else pv
             self._stats.blocks_stored += n
             self._index.add_chain(keys, 1 << (tier * self._index.cap + ep.slot), parent)  # type: ignore[arg-type]
@@ -290,10 +292,11 @@ class Ingestor:
         """A chunk of m keys ends at a chain depth (keys from the root) that is a multiple of
         m: the depth of a joined chunk's last key bounds the extent from above. Checked for the
         first joins of a tier, then sampled. A walk that does not end at a key the index holds
-        without a parent (the parent was evicted) is no evidence."""
+        without a parent (the parent was evicted) is no evidence, nor is the depth of an endpoint
+        whose engine blocks are not whole canonical blocks (its chunks are not whole keys)."""
         seen = ep.chunk_seen.get(tier, 0) + 1
         ep.chunk_seen[tier] = seen
-        if (seen > _DEPTH_ALWAYS and seen % _DEPTH_ALWAYS) or ep.odd[0]:
+        if (seen > _DEPTH_ALWAYS and seen % _DEPTH_ALWAYS) or ep.block_size % self._bs:  # (partial blocks)
             return
         index = self._index
         path = index.walk_back(k, _DEPTH_LIMIT)

@@ -1,6 +1,6 @@
 """Learned engine hashes: per model, engine block hash -> the router key of that block (an
-int), or ``(key, tail_tokens, n_keys)`` when the engine block does not end on a canonical
-boundary. Bounded; the oldest learned go first."""
+int) when the engine block is exactly one canonical block, else ``(key, tail_tokens, n_keys)``
+(the block's keys counted in its value). Bounded; the oldest learned go first."""
 
 from __future__ import annotations
 
