@@ -49,19 +49,25 @@
 #include "_fp_apply.h"
 #include "_fp_score.h"
 
-/* apply(payload, contexts, stamp, tally) -> None | (status, next, block_size, token_mask, rank)
+/* apply(payload, contexts, stamp, tally) -> None | (status, next, block_size, token_mask, rank,
+ *                                                   left, rest_from, rest_to)
  *
- * contexts: rank -> the endpoint's context tuple (NativeIngestor._context), used while its
+ * contexts: rank -> the endpoint's context tuple (NativeIngestor.context), used while its
  * stamp equals `stamp`; tally: a writable array('q') of TALLY_SLOTS slots the counts are added
  * to (the NativeIngestor folds them into its RouterStats). status 0: every event applied (a
  * result only when the endpoint's block size or token tiers changed); 2: the same, and the
- * learned map is over its budget; 1: events before `next` applied, the rest need the Python
- * path; 3: not a batch this parser takes, nothing changed; 4: no current context for `rank`,
- * nothing changed. */
+ * learned map is over its budget; 1: events before `next` applied, the `left` events after
+ * them (bytes rest_from..rest_to of the payload) need the Python path; 3: not a batch this
+ * parser takes, nothing changed; 4: no current context for `rank`, nothing changed.
+ *
+ * apply_impl's make_ctx (ingest's path): instead of answering 4, it calls
+ * make_ctx(pod, rank, model) for a fresh context, stores it in contexts[rank] and goes on with
+ * the events it parsed (a stale context costs no second parse). */
 static PyObject *str_touch;
 
 static PyObject *
-apply_impl(PyObject *payload, PyObject *contexts, PyObject *stamp, PyObject *tally_obj)
+apply_impl(PyObject *payload, PyObject *contexts, PyObject *stamp, PyObject *tally_obj, PyObject *make_ctx,
+           PyObject *pod, PyObject *model)
 {
     Py_buffer buf, tb;
     if (PyObject_GetBuffer(payload, &buf, PyBUF_SIMPLE) < 0)
@@ -111,6 +117,7 @@ apply_impl(PyObject *payload, PyObject *contexts, PyObject *stamp, PyObject *tal
     for (int64_t i = 0; i < nev; i++)
         if (!parse_event(&r, &evs[i]))
             goto to_python;
+    const uint8_t *events_end = r.p; /* (the rank follows) */
     int64_t rank_v = 0;
     if (top == 3 && !rd_nil(&r)) {
         uint64_t u;
@@ -128,23 +135,34 @@ apply_impl(PyObject *payload, PyObject *contexts, PyObject *stamp, PyObject *tal
     if (rank == NULL)
         goto done;
     t = PyDict_GetItemWithError(contexts, rank);
-    Py_DECREF(rank);
     int current = 0;
     if (t != NULL && PyTuple_Check(t) && PyTuple_GET_SIZE(t) == CTX_LEN) {
         current = PyObject_RichCompareBool(PyTuple_GET_ITEM(t, 0), stamp, Py_EQ);
         if (current < 0) {
             t = NULL;
+            Py_DECREF(rank);
             goto done;
         }
     }
     if (!current) {
         t = NULL;
-        if (PyErr_Occurred())
+        if (PyErr_Occurred() || make_ctx == NULL) {
+            if (!PyErr_Occurred())
+                result = Py_BuildValue("(iLLKLLnn)", 4, 0LL, 0LL, 0ULL, (long long)rank_v, 0LL, (Py_ssize_t)0,
+                                       (Py_ssize_t)0);
+            Py_DECREF(rank);
             goto done;
-        result = Py_BuildValue("(iLLKL)", 4, 0LL, 0LL, 0ULL, (long long)rank_v);
-        goto done;
+        }
+        /* a fresh context from the ingestor, then on with the events parsed above */
+        t = PyObject_CallFunctionObjArgs(make_ctx, pod, rank, model, NULL);
+        if (t == NULL || PyDict_SetItem(contexts, rank, t) < 0) {
+            Py_DECREF(rank);
+            goto done;
+        }
+    } else {
+        Py_INCREF(t);
     }
-    Py_INCREF(t);
+    Py_DECREF(rank);
     Ctx c;
     if (ctx_from(t, &c) < 0)
         goto done;
@@ -186,12 +204,14 @@ apply_impl(PyObject *payload, PyObject *contexts, PyObject *stamp, PyObject *tal
             mt_evict_to(c.table, c.low_water, NULL, &c.evicted_keys, &c.evicted_entries) < 0)
             goto done;
     }
-    result = finish(status, i, &c, lt_len(c.lmap) - learned0, tally, (long long)rank_v);
+    result = finish(status, i, &c, lt_len(c.lmap) - learned0, tally, (long long)rank_v, nev - i,
+                    i < nev ? evs[i].start - (const uint8_t *)buf.buf : 0,
+                    i < nev ? events_end - (const uint8_t *)buf.buf : 0);
     goto done;
 
 to_python:
     /* the whole batch needs the Python decoder; nothing was changed */
-    result = Py_BuildValue("(iLLKL)", 3, 0LL, 0LL, 0ULL, 0LL);
+    result = Py_BuildValue("(iLLKLLnn)", 3, 0LL, 0LL, 0ULL, 0LL, 0LL, (Py_ssize_t)0, (Py_ssize_t)0);
 done:
     Py_XDECREF(t);
     if (evs != stack_evs)
@@ -208,29 +228,30 @@ py_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "apply(payload, contexts, stamp, tally)");
         return NULL;
     }
-    return apply_impl(args[0], args[1], args[2], args[3]);
+    return apply_impl(args[0], args[1], args[2], args[3], NULL, NULL, NULL);
 }
 
 
-/* ingest(by_pod, endpoints, pending_by_hash, pending, tally, finish, expire, pod, payload, *,
- * model=None, strict=False): NativeIngestor.apply_payload, bound per ingestor with
+/* ingest(by_pod, endpoints, pending_by_hash, pending, tally, finish, expire, context, pod, payload,
+ * *, model=None, strict=False): NativeIngestor.apply_payload, bound per ingestor with
  * functools.partial so a batch that applies entirely in C costs no Python frame. It hands C's
  * result to `finish(pod, payload, model, strict, result)` (result None: offloads wait for their
- * GPU events, the whole batch goes to the Python path) and calls `expire()` while joins are
- * pending: both are the NativeIngestor's own methods; nothing here reads a router. */
+ * GPU events, the whole batch goes to the Python path), asks `context(pod, rank, model)` for a
+ * fresh endpoint context where the cached one is stale, and calls `expire()` while joins are
+ * pending: all three are the NativeIngestor's own methods; nothing here reads a router. */
 static PyObject *
 py_ingest(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     PyObject *model = Py_None, *strict = Py_False;
     Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
-    if (nargs < 9 || nargs > 11) {
+    if (nargs < 10 || nargs > 12) {
         PyErr_SetString(PyExc_TypeError, "apply_payload(pod, payload, *, model=None, strict=False)");
         return NULL;
     }
-    if (nargs > 9)
-        model = args[9];
     if (nargs > 10)
-        strict = args[10];
+        model = args[10];
+    if (nargs > 11)
+        strict = args[11];
     for (Py_ssize_t i = 0; i < nkw; i++) {
         PyObject *name = PyTuple_GET_ITEM(kwnames, i);
         if (PyUnicode_CompareWithASCIIString(name, "model") == 0)
@@ -243,7 +264,7 @@ py_ingest(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwn
         }
     }
     PyObject *by_pod = args[0], *eps = args[1], *pending_by_hash = args[2], *pending = args[3], *tally = args[4];
-    PyObject *fin = args[5], *expire = args[6], *pod = args[7], *payload = args[8];
+    PyObject *fin = args[5], *expire = args[6], *make_ctx = args[7], *pod = args[8], *payload = args[9];
     if (!PyDict_Check(by_pod)) {
         PyErr_SetString(PyExc_TypeError, "apply_payload: contexts must be a dict");
         return NULL;
@@ -267,7 +288,7 @@ py_ingest(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwn
     PyObject *stamp = PyObject_GetAttr(eps, str_touch);
     if (stamp == NULL)
         return NULL;
-    PyObject *out = apply_impl(payload, contexts, stamp, tally);
+    PyObject *out = apply_impl(payload, contexts, stamp, tally, make_ctx, pod, model);
     Py_DECREF(stamp);
     if (out == NULL)
         return NULL;
@@ -294,7 +315,7 @@ static PyMethodDef methods[] = {
      "apply(payload, contexts, stamp, tally): a KVEventBatch payload's common events (consumers.nativeingest)."},
     {"ingest", (PyCFunction)(void (*)(void))py_ingest, METH_FASTCALL | METH_KEYWORDS,
      "NativeIngestor.apply_payload: bind with functools.partial(ingest, by_pod, endpoints, pending_by_hash, "
-     "pending, tally, finish, expire)."},
+     "pending, tally, finish, expire, context)."},
     {"json_tokens", py_json_tokens, METH_O, "json_tokens(raw) -> array('I') | None (see _fp_score.h)."},
     {"score_walk", (PyCFunction)(void (*)(void))py_score_walk, METH_FASTCALL, "chain_keys + walk in one call (see _fp_score.h)."},
     {"score_pods", (PyCFunction)(void (*)(void))py_score_pods, METH_FASTCALL, "Scorer.score's answer in one call (see _fp_score_pods.h)."},

@@ -356,9 +356,12 @@ ctx_from(PyObject *t, Ctx *c)
 
 /* Add what was done to the tally; returns None when the caller has nothing left to do (the
  * whole batch applied, the endpoint unchanged, the learned map within its budget), else the
- * result (status, next event, block size, token-tier mask, rank). */
+ * result (status, next event, block size, token-tier mask, rank, events left, rest_from,
+ * rest_to): with status 1 the events left start at byte rest_from of the payload and end
+ * before byte rest_to (the caller decodes only those). */
 static PyObject *
-finish(int status, int64_t next, Ctx *c, Py_ssize_t learned, int64_t *tally, long long rank)
+finish(int status, int64_t next, Ctx *c, Py_ssize_t learned, int64_t *tally, long long rank, int64_t left,
+       Py_ssize_t rest_from, Py_ssize_t rest_to)
 {
     tally[T_BATCHES] += 1;
     tally[T_EVENTS] += c->events;
@@ -374,8 +377,9 @@ finish(int status, int64_t next, Ctx *c, Py_ssize_t learned, int64_t *tally, lon
     int over = tally[T_LEARNED] > tally[T_ROOM];
     if (status == 0 && !changed && !over)
         Py_RETURN_NONE;
-    return Py_BuildValue("(iLLKL)", status == 0 && over ? 2 : status, (long long)next, (long long)c->block_size,
-                         (unsigned long long)c->token_tiers, rank);
+    return Py_BuildValue("(iLLKLLnn)", status == 0 && over ? 2 : status, (long long)next,
+                         (long long)c->block_size, (unsigned long long)c->token_tiers, rank, (long long)left,
+                         rest_from, rest_to);
 }
 
 #define MAX_EVENTS_ON_STACK 64

@@ -224,6 +224,7 @@ typedef struct {
     const uint8_t *medium;   /* NULL: nil */
     size_t medium_len;
     int ignored_group;       /* group_idx not None/0 */
+    const uint8_t *start;    /* where the event's map begins in the payload */
 } Ev;
 
 /* field ids */
@@ -298,10 +299,12 @@ rd_opt_str(Rd *r, const uint8_t **s, size_t *n)
 static int
 parse_event(Rd *r, Ev *ev)
 {
+    const uint8_t *start = r->p;
     int64_t nf = rd_container(r, 1);
     if (nf < 0)
         return 0;
     memset(ev, 0, sizeof(*ev));
+    ev->start = start;
     uint32_t seen = 0;
     const uint8_t *s;
     size_t n;

@@ -9,12 +9,15 @@ does not take (the legacy encoding, bytes hashes, a release's missing fields, an
 malformed) comes back before anything changed and is decoded once by ``decode_batch`` for the
 Python path (so a malformed payload raises the same :class:`kvevents.DecodeError`). Within a
 batch, the first event that needs the general path (an unknown hash, an odd block size, a LoRA
-chain start, a clear, a new tier...) and every event after it go through the Python path.
+chain start, a clear, a new tier...) and every event after it go through the Python path: C
+hands back where those events lie in the payload and only they are decoded (each event is
+decoded once: by C or by msgspec).
 
-C never calls back: it reads a per-endpoint *context* (a tuple this class builds, current while
-``Endpoints.touch`` is unchanged), adds its counts to a tally buffer this class owns
-(``array('q')``, folded into ``RouterStats`` by :meth:`sync`) and returns what Python must still
-do: where it stopped, what it taught the endpoint, or that it needs a fresh context. Either way
+C reads no router state: it reads a per-endpoint *context* (a tuple :meth:`context` builds,
+current while ``Endpoints.touch`` is unchanged; a stale one is rebuilt by calling
+:meth:`context` from C, after the parse, so the batch is not parsed again), adds its counts to a
+tally buffer this class owns (``array('q')``, folded into ``RouterStats`` by :meth:`sync`) and
+returns what Python must still do: where it stopped, what it taught the endpoint. Either way
 the index, the learned hashes and every counter end exactly as :class:`Ingestor` leaves them
 (tests/test_router_fastpath.py compares both through this interface).
 """
@@ -24,7 +27,10 @@ from __future__ import annotations
 import functools
 from array import array
 
+import msgspec
+
 from kvevents.codec import decode_batch
+from kvevents.events import KVEvent
 
 from .ingest import Ingestor
 from .keys import _FAST
@@ -40,6 +46,23 @@ _STATS = (("batches", T_BATCHES), ("events", T_EVENTS), ("blocks_stored", T_STOR
           ("ignored_group_events", T_IGNORED))
 # result statuses
 ALL, REST, OVER, WHOLE, NO_CONTEXT = 0, 1, 2, 3, 4
+_EVENTS = msgspec.msgpack.Decoder(list[KVEvent])  #: the events C left (the batch's own decoder, events only)
+
+
+def _rest_events(payload, left: int, start: int, end: int) -> list:
+    """The ``left`` events at bytes ``start:end`` of an encoded batch C stopped in (a msgpack
+    array header in front of them: each of them decoded once, by msgspec; those before by C)."""
+    if left < 16:
+        head = bytes((0x90 | left,))
+    elif left < 1 << 16:
+        head = b"\xdc" + left.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + left.to_bytes(4, "big")
+    try:
+        return _EVENTS.decode(head + payload[start:end])
+    except (msgspec.DecodeError, UnicodeDecodeError):  # (C checked them; decode_batch names a fault)
+        events = decode_batch(payload).events
+        return events[len(events) - left:]
 
 
 def available(config, index) -> bool:
@@ -61,7 +84,7 @@ class NativeIngestor(Ingestor):
         # is left to finish_payload and calls expire_pending while joins wait
         self.apply_payload = functools.partial(  # type: ignore[method-assign]
             _FAST.ingest, self._contexts, self.eps, self.pending_by_hash, self.pending, self._tally,
-            self.finish_payload, self.expire_pending)
+            self.finish_payload, self.expire_pending, self.context)
 
     def sync(self, recount: bool = True) -> None:
         """Fold C's tally into the counters; ``recount=False`` leaves the learned budget's
@@ -108,9 +131,9 @@ class NativeIngestor(Ingestor):
     def _finish(self, pod: str, payload: bytes, model: str | None, strict: bool, ctxs: dict, out: tuple) -> None:
         """What C left to Python: a context to build, the whole batch or the rest of it, what it
         taught the endpoint, the learned map over its budget."""
-        status, nxt, block_size, token_mask, rank = out
-        if status == NO_CONTEXT:  # (nothing applied yet)
-            ctxs[rank] = self._context(pod, rank, model)
+        status, nxt, block_size, token_mask, rank, left, start, end = out
+        if status == NO_CONTEXT:  # (nothing applied yet; only from a bare _fastpath.apply)
+            ctxs[rank] = self.context(pod, rank, model)
             out = self._c_apply(payload, ctxs, self.eps.touch, self._tally)
             if out is not None:
                 if out[0] == NO_CONTEXT:
@@ -128,14 +151,14 @@ class NativeIngestor(Ingestor):
         self.sync(recount=status != REST)  # (mid-batch: the learned budget is enforced after the rest)
         if status == REST:
             n0 = len(ep.lmap)
-            self.apply_events(ep, decode_batch(payload).events[nxt:], strict)
+            self.apply_events(ep, _rest_events(payload, left, start, end), strict)
             learned = self._learned
             learned.size += len(ep.lmap) - n0
             if learned.size > learned.max_size:
                 learned.recount()
             self.learned_changed()
         if self.eps.touch != ctxs[rank][0]:
-            ctxs[rank] = self._context(pod, rank, model)  # the next batch from here finds it current
+            ctxs[rank] = self.context(pod, rank, model)  # the next batch from here finds it current
 
     @staticmethod
     def _token_mask(ep) -> int:
@@ -147,7 +170,7 @@ class NativeIngestor(Ingestor):
                 m |= 1 << t
         return m
 
-    def _context(self, pod: str, rank: int, model: str | None) -> tuple:
+    def context(self, pod: str, rank: int, model: str | None) -> tuple:
         """The endpoint's context for C (consumers/_fp_apply.h ``ctx_from``), current while
         ``Endpoints.touch`` is unchanged (the Python path may change chunk lengths, odd chunks,
         token tiers, the slot layout or the tiers)."""

@@ -152,9 +152,11 @@ def _stream():
     ]
 
 
-def test_payloads_take_the_fast_path_and_answer_as_apply():
+def test_payloads_take_the_fast_path_and_answer_as_apply(monkeypatch):
+    import consumers.nativeingest as ni
+
     slow, fast = KVRouter(model="m", block_size=2), KVRouter(model="m", block_size=2)
-    left = []  # what C left to Python, per batch (None: nothing), after any fresh context
+    left = []  # what C left to Python, per batch (None: nothing)
     ing = fast.ingestor
     assert isinstance(ing, NativeIngestor)
     real = ing._finish
@@ -163,20 +165,30 @@ def test_payloads_take_the_fast_path_and_answer_as_apply():
         left.append(out[0])
         return real(pod, payload, model, strict, ctxs, out)
 
+    def whole(payload):
+        raise AssertionError("the whole batch decoded again")
+
     ing._finish = spy
+    rests = []  # (events left, bytes decoded) of each batch C stopped in
+    real_rest = ni._rest_events
+    monkeypatch.setattr(ni, "_rest_events", lambda p, n, a, b: rests.append((n, b - a)) or real_rest(p, n, a, b))
+    monkeypatch.setattr(ni, "decode_batch", whole)
     for b in _stream():
         n = len(left)
         slow.apply("p", b)
         fast.apply_payload("p", encode_batch(b))
-        if left[n:n + 1] == [4]:  # (4: a context to build first, nothing applied; then what C did)
-            del left[n]
         if len(left) == n:
             left.append(None)
     assert state(fast) == state(slow)
     # the GPU batch runs in C entirely (status 0: all applied; Python only records the block size
-    # it taught); the first offload batch's chunk length is inferred in Python (status 1: the
-    # rest of the batch), after which offload joins and removals run in C with nothing left over
+    # it taught; its endpoint's context, stale at first, is built from C without a second parse:
+    # no status 4); the first offload batch's chunk length is inferred in Python (status 1: the
+    # rest of the batch, only its own bytes decoded), after which offload joins and removals run
+    # in C with nothing left over
     assert left == [0, 1, None]
+    # (its one event: the payload less the array header, the float ts, the events' array header
+    # and the rank)
+    assert rests == [(1, len(encode_batch(_stream()[1])) - 1 - 9 - 1 - 1)]
     assert fast.stats.blocks_stored == 32 and fast.stats.offload_blocks == 12 and fast.stats.blocks_removed == 12
     assert isinstance(fast.apply_payload, functools.partial)  # the C front half: no Python frame per batch
 
