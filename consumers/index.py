@@ -127,6 +127,11 @@ class Index(ABC):
     def load(self, items: Iterable[tuple[int, int, int | None]]) -> None:
         """Replace the content with ``items`` (``(key, mask, parent)``, oldest first)."""
 
+    def native_table(self):
+        """The C table (``consumers._fastpath.MaskTable``) a native ingestor may write the common
+        events to directly, or None (the ingestor then goes through this role in Python)."""
+        return None
+
     @abstractmethod
     def lane_counts(self, tiers: int) -> list[int]:
         """Set bits per tier."""

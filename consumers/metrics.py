@@ -46,6 +46,10 @@ METRICS: tuple[MetricSpec, ...] = (
        ("pod", "tier"), "router", "chunk_extents()", "kvevents_router_offload_chunk_extent"),
     _m("kvevents.router.offload.pending", UPDOWN, "{block}", "Offload events waiting for their GPU event.",
        (), "router", "len(pending)", "kvevents_router_offload_pending"),
+    _m("kvevents.router.index.operations", COUNTER, "{call}",
+       "Calls made through the index role, by operation (lookups are match; the C ingest's direct writes "
+       "are the router's block counters instead). Only with RouterConfig.index_metrics.",
+       ("op",), "router", "InstrumentedIndex.calls", "kvevents_router_index_operations_total"),
     _m("kvevents.router.evicted", COUNTER, "{entry}", "Index entries evicted by the entry budget.",
        (), "router", "index.evicted_entries", "kvevents_router_evicted_total"),
     _m("kvevents.router.removals", COUNTER, "{block}",

@@ -110,6 +110,9 @@ class NativeBlockIndex(BlockIndex):
         self.clear_all()
         self.masks.load(list(items))  # type: ignore[attr-defined]
 
+    def native_table(self):
+        return self.masks
+
     def lane_counts(self, tiers: int) -> list[int]:
         return self.masks.lane_counts(self.cap, tiers)  # type: ignore[attr-defined]
 

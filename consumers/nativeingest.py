@@ -67,8 +67,8 @@ def _rest_events(payload, left: int, start: int, end: int) -> list:
 
 def available(config, index) -> bool:
     """Whether a router with ``config`` and ``index`` can ingest in C."""
-    return _FAST is not None and config.groups == _DEFAULT_GROUPS and hasattr(index.masks, "set_chain") \
-        and hasattr(index, "low_water")
+    return _FAST is not None and config.groups == _DEFAULT_GROUPS and \
+        hasattr(index.native_table(), "set_chain") and hasattr(index, "low_water")
 
 
 class NativeIngestor(Ingestor):
@@ -194,6 +194,6 @@ class NativeIngestor(Ingestor):
                 store_chunk.append(0 if ck == 1 else 2)
                 default = 1 if ck is None else ck
             remove_one.append(default == 1 and not ep.odd_chunks.get(t) and t not in ep.tier_bs)
-        return (self.eps.touch, ep.lmap, index.masks, ep.seed, self._bs, ep.odd, ep.block_size,
+        return (self.eps.touch, ep.lmap, index.native_table(), ep.seed, self._bs, ep.odd, ep.block_size,
                 self._token_mask(ep), names, tuple(bits), tuple(store_chunk), tuple(remove_one), index.max_entries,
                 index.low_water)

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from . import feed, snapshot
 from .endpoints import Endpoints, pod_from_topic
 from .index import Index, make_index
+from .instrumented import InstrumentedIndex
 from .ingest import Ingestor
 from .keys import _FAST
 from .learned import LearnedMap
@@ -49,6 +50,8 @@ class KVRouter:
         config = self._cfg
         self._stats = RouterStats()
         index = make_index(config.index, config.max_entries, max_tiers=config.max_tiers, native=_FAST is not None)
+        if config.index_metrics:
+            index = InstrumentedIndex(index)
         self._index = index
         native = available(config, index)
         self._learned = LearnedMap(config.max_learned or config.max_entries,

@@ -71,6 +71,9 @@ class RouterConfig:
     #: index backend (consumers.index.INDEX_BACKENDS): "native" (the C mask table), "python",
     #: or "auto" (native where the C extension is in use)
     index: str = "auto"
+    #: count the calls made through the Index role (consumers.instrumented.InstrumentedIndex in
+    #: front of the backend; exported by consumers.telemetry.observe_router); the C ingest stays
+    index_metrics: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_entries", "pending_capacity", "pending_max_batches", "max_tiers",

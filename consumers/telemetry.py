@@ -239,6 +239,10 @@ def observe_router(router: Any, meter: Meter | None = None, *, refresh_interval:
             lambda: [(n, a(pod=p, tier=t)) for p, d in router.chunk_extents().items() for t, n in d.items()])
     obs.add(meter, "kvevents.router.offload.pending", simple(lambda: router.counters()["pending"]))
     obs.add(meter, "kvevents.router.evicted", simple(lambda: router.index.evicted_entries))
+    calls = getattr(router.index, "calls", None)  # an InstrumentedIndex (RouterConfig.index_metrics)
+    if isinstance(calls, dict):
+        obs.add(meter, "kvevents.router.index.operations",
+                lambda: [(n, a(op=op)) for op, n in list(router.index.calls.items())])
     obs.add(meter, "kvevents.router.removals",
             lambda: [(s.blocks_removed, a(outcome="removed")) for s in (router.stats,)]
             + [(router.stats.remove_unknown, a(outcome="unknown"))])

@@ -10,17 +10,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from consumers import INDEX_BACKENDS, Index, KVRouter
+from consumers.instrumented import InstrumentedIndex
 from kvevents.errors import ConfigError
 
 
 def _make(name: str, max_entries: int = 1 << 20) -> Index:
+    name, _, wrapper = name.partition("+")
     try:
-        return INDEX_BACKENDS.get(name).create(max_entries, max_tiers=3)
+        idx = INDEX_BACKENDS.get(name).create(max_entries, max_tiers=3)
     except ConfigError as exc:
         pytest.skip(f"index backend {name!r} not available: {exc}")
+    return InstrumentedIndex(idx) if wrapper else idx
 
 
-@pytest.fixture(params=INDEX_BACKENDS.names())
+# every backend, and each behind the instrumented wrapper (the role's telemetry wrapper must
+# answer as the backend it wraps)
+@pytest.fixture(params=[*INDEX_BACKENDS.names(), *(f"{n}+instrumented" for n in INDEX_BACKENDS.names())])
 def backend(request):
     return request.param
 
@@ -93,7 +98,9 @@ def test_items_and_load_round_trip(backend, ops):
 
 def test_router_config_picks_the_backend(backend):
     _make(backend)  # (skips where it cannot be built)
-    r = KVRouter(model="m", index=backend)
-    assert type(r.index) is INDEX_BACKENDS.get(backend)
+    name, _, wrapper = backend.partition("+")
+    r = KVRouter(model="m", index=name, index_metrics=bool(wrapper))
+    inner = r.index.inner if wrapper else r.index
+    assert type(inner) is INDEX_BACKENDS.get(name) and isinstance(r.index, InstrumentedIndex) == bool(wrapper)
     with pytest.raises(ConfigError, match="unknown index backend 'nope'"):
         KVRouter(model="m", index="nope")

@@ -1,0 +1,90 @@
+"""The index's telemetry wrapper (issue 9): ``RouterConfig(index_metrics=True)`` puts an
+InstrumentedIndex in front of the backend, counts what goes through the Index role, exports it
+as ``kvevents.router.index.operations{op}``, and leaves the native ingest on its C path (the
+wrapper hands the backend's C table on through the role)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import consumers.keys as keys_mod
+from consumers import KVRouter
+from consumers.instrumented import InstrumentedIndex
+from kvevents import encode_batch
+
+from .test_router_fastpath import _stream, state
+
+
+def _routers(index: str):
+    return KVRouter(model="m", block_size=2, index=index), \
+        KVRouter(model="m", block_size=2, index=index, index_metrics=True)
+
+
+@pytest.mark.skipif(keys_mod._FAST is None, reason="the C extension is not in use")
+def test_the_native_ingest_stays_on_the_c_path_behind_the_wrapper():
+    plain, watched = _routers("native")
+    assert isinstance(watched.index, InstrumentedIndex) and watched.index.native_table() is not None
+    assert watched.ingestor.native and isinstance(watched.apply_payload, functools.partial)
+    gpu, off, rest = _stream()
+    for r in (plain, watched):
+        r.apply_payload("p", encode_batch(gpu))
+    # the GPU batch went into the C table directly: nothing through the role, all of it indexed
+    assert watched.index.calls["add_chain"] == 0 and watched.index.entries == plain.index.entries == 32
+    for r in (plain, watched):
+        for b in (off, rest):
+            r.apply_payload("p", encode_batch(b))
+    assert state(watched) == state(plain)
+    # the first offload batch's chunk extent was inferred on the Python path, which joined it
+    # through the role; the next offloads and the removals went into the C table again
+    assert (watched.index.calls["add"], watched.index.keys["add"]) == (1, 8)
+    assert watched.index.calls["remove"] == 0
+    assert watched.score(list(range(100, 164))) is not None and watched.index.calls["match"] == 1
+
+
+@pytest.mark.parametrize("index", ["python"] + (["native"] if keys_mod._FAST is not None else []))
+def test_calls_through_the_role_are_counted_and_exported(index):
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from consumers.telemetry import observe_router
+
+    plain, watched = _routers(index)
+    reader = InMemoryMetricReader()
+    obs = observe_router(watched, MeterProvider(metric_readers=[reader]).get_meter("t"), refresh_interval=0)
+    for b in _stream():
+        plain.apply("p", b)
+        watched.apply("p", b)  # (decoded: the Python path, every update through the role)
+    watched.score([1, 2])
+    plain.score([1, 2])
+    watched.reset_pod("p")
+    got = {}
+    for rm_ in reader.get_metrics_data().resource_metrics:
+        for sm in rm_.scope_metrics:
+            for m in sm.metrics:
+                if m.name == "kvevents.router.index.operations":
+                    got.update({p.attributes["op"]: p.value for p in m.data.data_points})
+    obs.close()
+    calls = watched.index.calls
+    assert calls["add_chain"] == 2 and calls["add"] >= 2 and calls["remove"] >= 1 and calls["match"] == 1
+    assert calls["clear"] == 1 and watched.index.keys["add_chain"] == 32
+    assert got == calls
+    plain.reset_pod("p")
+    assert state(watched) == state(plain)  # the wrapper changes no answer
+
+
+def test_a_router_without_index_metrics_has_no_wrapper_and_no_series():
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from consumers.telemetry import observe_router
+
+    r = KVRouter(model="m", block_size=2)
+    assert not isinstance(r.index, InstrumentedIndex)
+    reader = InMemoryMetricReader()
+    obs = observe_router(r, MeterProvider(metric_readers=[reader]).get_meter("t"))
+    names = {m.name for rm_ in reader.get_metrics_data().resource_metrics for sm in rm_.scope_metrics
+             for m in sm.metrics}
+    obs.close()
+    assert "kvevents.router.index.operations" not in names and "kvevents.router.batches" in names
