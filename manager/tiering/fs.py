@@ -2,7 +2,10 @@
 
 Layout and file format: :mod:`manager.tiering.fs_io` (a one-page header with length, key and
 CRC32C, then the payload) and :mod:`manager.tiering.fs_scan` (fan-out directories, owner
-locks, the start-up scan). The 256 fan-out directories are created once, at start-up.
+locks, the start-up scan). Each of the 256 fan-out directories is created once per tier
+lifetime, on first use; ``spread_dirs`` (default on) marks the root ``chattr +T`` first, so
+that ext4 spreads them, and their files' inodes, over its block groups (a file create then
+does not walk past a group full of recently deleted inodes; see ``fs_io.spread_directories``).
 
 * Loads read header + payload with one ``preadv`` straight into the primary's slot, with
   ``O_DIRECT`` where the filesystem takes it (probed once; ``o_direct`` forces it on or off),
@@ -76,6 +79,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         o_direct: bool | None = None,
         max_store_backlog_blocks: int = 512,
         shared_root: bool = False,
+        spread_dirs: bool = True,
         offload_policy: str = "block_level",
         **kw: Any,
     ) -> None:
@@ -99,6 +103,8 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         if not self.root.is_dir():  # (an existing read-only root is fine: loads still work)
             self.root.mkdir(parents=True, exist_ok=True)
         self._root = str(self.root)
+        # (before any fan-out directory exists; see fs_io.spread_directories)
+        self.spread_dirs = spread_dirs and fs_io.spread_directories(self._root)
         self.capacity_blocks = capacity_blocks
         self.fsync = fsync
         self.shared_root = shared_root
@@ -461,7 +467,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                 "stores_skipped": self.stores_skipped, "blocks_skipped": self.blocks_skipped,
                 "lookups_pending": self.lookups_pending, "lookups_found_on_disk": self.lookups_found_on_disk,
                 "payload_mismatches": self.payload_mismatches, "foreign_files": self.foreign_files,
-                "scan_errors": self.scan_errors, "o_direct": self.o_direct,
+                "scan_errors": self.scan_errors, "o_direct": self.o_direct, "spread_dirs": self.spread_dirs,
                 "checksum": "crc32c" if self.crc_kind == fs_io.CRC_CRC32C else "crc32",
             }
 
