@@ -10,7 +10,7 @@ repeat for the same code and inputs. One child process per (checkout, case) runs
 callgrind; it builds the router and the payloads, warms up, then applies ``n`` and ``2n``
 batches inside callgrind marks (benchmarks/_callgrind.py); instructions per batch =
 (Ir(2n) - Ir(n)) / n, which cancels what a region costs once. Every batch has 16 events (vLLM-like
-GPU stores of 4 blocks x 16 tokens) and fresh hashes.
+GPU stores of 4 blocks x 16 tokens; ``--blocks`` changes it) and fresh hashes.
 
 Cases:
   gpu       ``apply_payload`` of GPU-store batches (the C path where it is built)
@@ -36,7 +36,7 @@ CASES = ("gpu", "offload", "rest", "apply", "apply-py", "score")
 BS = 16
 
 
-def _batches(n: int, seed: int, lora_at: int | None = None):
+def _batches(n: int, seed: int, lora_at: int | None = None, blocks: int = 4):
     from kvevents import BlockStored, KVEventBatch
 
     rnd = random.Random(seed)
@@ -44,9 +44,10 @@ def _batches(n: int, seed: int, lora_at: int | None = None):
     for _ in range(n):
         evs, offs = [], []
         for e in range(16):
-            hs = [rnd.getrandbits(63) for _ in range(4)]
+            hs = [rnd.getrandbits(63) for _ in range(blocks)]
             lora = "ad1" if e == lora_at else None
-            evs.append(BlockStored(hs, None, [rnd.randrange(150_000) for _ in range(4 * BS)], BS, None, "GPU", lora))
+            evs.append(BlockStored(hs, None, [rnd.randrange(150_000) for _ in range(blocks * BS)], BS, None, "GPU",
+                                   lora))
             offs.append(BlockStored(hs, None, [], 0, None, "CPU", None))
         gpu.append(KVEventBatch(time.time(), evs, 0))
         off.append(KVEventBatch(time.time(), offs, 0))
@@ -72,7 +73,7 @@ class _Marks:
         self._lib.kv_cg_dump(self.label.encode())
 
 
-def _child(case: str, n: int) -> None:
+def _child(case: str, n: int, blocks: int) -> None:
     from consumers import KVRouter, RouterConfig
     from kvevents import encode_batch
 
@@ -82,7 +83,7 @@ def _child(case: str, n: int) -> None:
     for k in (0, 1, 2):  # 0: warm-up (not marked)
         count = warm if k == 0 else k * n
         r = KVRouter(RouterConfig(**cfg))
-        gpu, off = _batches(count, seed=k, lora_at=8 if case == "rest" else None)
+        gpu, off = _batches(count, seed=k, lora_at=8 if case == "rest" else None, blocks=blocks)
         if case == "score":
             for b in _batches(64, seed=99)[0]:
                 r.apply("pod", b)
@@ -112,7 +113,7 @@ def _child(case: str, n: int) -> None:
             region.stop()
 
 
-def _measure(root: str, case: str, n: int, timeout: float) -> float | None:
+def _measure(root: str, case: str, n: int, blocks: int, timeout: float) -> float | None:
     from benchmarks import _callgrind
 
     out = _callgrind.new_out_dir(f"kvcg-router-{case}-")
@@ -120,7 +121,7 @@ def _measure(root: str, case: str, n: int, timeout: float) -> float | None:
     env.pop("KVEVENTS_PURE_PYTHON", None)
     if case == "apply-py":
         env["KVEVENTS_PURE_PYTHON"] = "1"
-    argv = [sys.executable, os.path.abspath(__file__), "--child", case, "--n", str(n)]
+    argv = [sys.executable, os.path.abspath(__file__), "--child", case, "--n", str(n), "--blocks", str(blocks)]
     rc, tail = _callgrind.run_child(argv, out, env, timeout)
     if rc != 0:
         print(f"{case} ({root}): child exited {rc}\n{tail}", file=sys.stderr)
@@ -134,12 +135,13 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--n", type=int, default=40, help="batches in the shorter region (default 40)")
     ap.add_argument("--against", help="another checkout (its root) to measure the same way, e.g. before a change")
+    ap.add_argument("--blocks", type=int, default=4, help="blocks of 16 tokens per GPU event (default 4)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         sys.path.remove(os.path.dirname(os.path.abspath(__file__)))
-        return _child(args.child, args.n)
+        return _child(args.child, args.n, args.blocks)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks import _callgrind
     from benchmarks._table import format_table
@@ -155,7 +157,7 @@ def main() -> None:
             ap.error(f"unknown case {c!r}; choose from {', '.join(CASES)}")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     roots = [("this", here)] + ([("against", args.against)] if args.against else [])
-    res = {(name, c): _measure(root, c, args.n, args.timeout) for c in cases for name, root in roots}
+    res = {(name, c): _measure(root, c, args.n, args.blocks, args.timeout) for c in cases for name, root in roots}
     head = ["case", "instr/batch"]
     if args.against:
         head = ["case", "against", "this", "change"]
@@ -168,7 +170,8 @@ def main() -> None:
             rows.append([c, "-" if b is None else f"{b:,.0f}", "-" if a is None else f"{a:,.0f}", ch])
         else:
             rows.append([c, "-" if a is None else f"{a:,.0f}"])
-    print(format_table(f"router, instructions per 16-event batch (callgrind Ir, (2n - n) / n, n={args.n})",
+    print(format_table(f"router, instructions per 16-event batch of {args.blocks}-block events "
+                       f"(callgrind Ir, (2n - n) / n, n={args.n})",
                        head, rows))
     print(json.dumps({f"{k[0]}:{k[1]}": v for k, v in res.items()}))
 

@@ -74,11 +74,13 @@ class Ingestor:
         self.apply_events(ep, batch.events, strict)
         if self.pending:
             self._expire_pending()
-        learned = self._learned
-        learned.size += len(lmap) - n0
-        if learned.size > learned.max_size:
-            learned.recount()
-        self.learned_changed()
+        n1 = len(lmap)
+        if n1 != n0:
+            learned = self._learned
+            learned.size += n1 - n0
+            if learned.size > learned.max_size:
+                learned.recount()
+            self.learned_changed()
 
     def apply_payload(self, pod: str, payload: bytes, *, model: str | None = None, strict: bool = False) -> None:
         """One encoded batch: ``apply(pod, decode_batch(payload))`` (one decode)."""
@@ -133,6 +135,7 @@ class Ingestor:
         lmap = ep.lmap
         odd = ep.odd
         lget = lmap.get
+        store_tokens = self._store_tokens
         for ev in events:
             cls = type(ev)
             if cls is BlockStored or cls is BlockRemoved:
@@ -154,7 +157,7 @@ class Ingestor:
                 hashes = ev.block_hashes
                 toks = ev.token_ids
                 if toks:
-                    self._store_tokens(ep, ev, tier, strict)
+                    store_tokens(ep, ev, tier, strict)
                     continue
                 # offload store: no tokens; join by engine hash
                 configured = self._cfg.offload_chunk_blocks.get(self._tier_names[tier])
@@ -191,46 +194,42 @@ class Ingestor:
             self.error("bad_block_stored", f"pod {ep.pod!r}: BlockStored with {n} hashes, block_size {E} and "
                         f"{len(toks)} token ids (want hashes * block_size)", strict)
             return
-        C = self._bs
         lmap = ep.lmap
         ph = ev.parent_block_hash
-        seed = ep.seed if ev.lora_name is None and ev.lora_id is None else model_seed(ep.model, _lora(ev))
         if ph is None:
-            pv: object = seed
+            pv: object = ep.seed if ev.lora_name is None and ev.lora_id is None else model_seed(ep.model, _lora(ev))
         else:
             pv = lmap.get(ph)
             if pv is None:
                 self._stats.orphan_blocks += n
                 return
-        if tier == 0 or not ep.block_size:  # the GPU's block size is the endpoint's
-            if ep.block_size != E:
+        if ep.block_size != E:
+            if tier == 0 or not ep.block_size:  # the GPU's block size is the endpoint's
                 ep.block_size = E
-        elif E != ep.block_size and ep.tier_bs.get(tier) != E:
-            ep.tier_bs[tier] = E  # a self-describing offload store: its chunk's extent, exactly
-            self.eps.touch += 1
+            elif ep.tier_bs.get(tier) != E:
+                ep.tier_bs[tier] = E  # a self-describing offload store: its chunk's extent, exactly
+                self.eps.touch += 1
         if tier not in ep.token_tiers:
             ep.token_tiers.add(tier)
-        if E == C and type(pv) is int:  # (an engine block of several canonical ones: the general path)
+        if E == self._bs and type(pv) is int:  # (an engine block of several canonical ones: the general path)
             keys = None
             if hashes[0] in lmap:  # already learned (e.g. from another pod): no hashing
                 keys = list(map(lmap.get, hashes))
                 if None in keys or (ep.odd[0] and not all(type(k) is int for k in keys)):
                     keys = None
             if keys is None:
-                keys = chain_keys(toks, pv, C)  # type: ignore[arg-type]
+                keys = chain_keys(toks, pv, E)  # type: ignore[arg-type]
                 lmap.update(zip(hashes, keys))
             parent = None if ph is None else pv
-            self._stats.blocks_stored += n
-            self._index.add_chain(keys, 1 << (tier * self._index.cap + ep.slot), parent)  # type: ignore[arg-type]
-            if self.pending_by_hash:
-                self._resolve_pending(ep.model, hashes)
-            return
         else:
-            keys, parent = self._store_general(lmap, hashes, toks, E, pv, seed)
+            seed = pv if ph is None else ep.seed if ev.lora_name is None and ev.lora_id is None else \
+                model_seed(ep.model, _lora(ev))
+            keys, parent = self._store_general(lmap, hashes, toks, E, pv, seed)  # type: ignore[arg-type]
             ep.odd[0] = True
         self._stats.blocks_stored += n
         if keys:
-            self._index.add_chain(keys, 1 << (tier * self._index.cap + ep.slot), parent)  # type: ignore[arg-type]
+            index = self._index
+            index.add_chain(keys, 1 << (tier * index.cap + ep.slot), parent)  # type: ignore[arg-type]
         if self.pending_by_hash:
             self._resolve_pending(ep.model, hashes)
 

@@ -61,6 +61,7 @@ class KVRouter:
         self._ingest: Ingestor = kind(config, self._eps, index, self._learned, self._stats)
         self.scorer = Scorer(config, self._eps, index, self._stats)
         self.apply_payload = self._ingest.apply_payload  # (bound: no facade frame per batch)
+        self.apply = self._ingest.apply  # type: ignore[method-assign]
 
     # --- parts --------------------------------------------------------------------------------
     @property
@@ -95,7 +96,8 @@ class KVRouter:
     # --- feeding ------------------------------------------------------------------------------
     def apply(self, pod: str, batch, *, model: str | None = None, strict: bool = False) -> None:
         """Feed one decoded batch from ``pod`` (bad events counted in ``stats.errors``, raised
-        with ``strict=True``)."""
+        with ``strict=True``). (Each router binds its ingestor's ``apply`` in this place: no
+        facade frame per batch.)"""
         self._ingest.apply(pod, batch, model=model, strict=strict)
 
     def reset_pod(self, pod: str) -> None:
