@@ -59,3 +59,10 @@ def test_kill_9_of_a_late_joining_subscriber_continues_correctly():
     r = kill_subscriber_rounds(3, random.Random(99))
     assert r["restarts"] == 3 and r["batches"] >= 15
     assert (r["disorder"], r["silent"], r["splices"]) == (0, 0, 0), r
+
+
+def test_kill_9_of_a_bind_mode_publisher_at_random_points_never_splices():
+    """The publisher connects to the subscriber's bound socket: restarts are found from the connections."""
+    r = kill_restart_rounds(3, random.Random(4321), bind=True)
+    assert r["splices"] == 0 and r["disorder"] == 0, r
+    assert r["resets"] == r["restarts"] == r["reconnects"], r

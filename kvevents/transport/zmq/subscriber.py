@@ -260,6 +260,7 @@ class Subscriber(EventSource):
                         break
                 elif watch:
                     self._on_live(peer, frames, now, out, fd)
+                    self._conns.fresh.discard(fd)  # its first frame was read: refused or malformed too
                     watch = self._conns.fresh
                 else:
                     self._on_live(peer, frames, now, out)
