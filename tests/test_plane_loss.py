@@ -115,3 +115,26 @@ def test_no_hole_no_gap_and_a_narrower_filter_does_not_count_holes(nats_server) 
             assert stats["stream_holes"] == stats["hole_gaps"] == 0
     finally:
         sender.close()
+
+
+def test_a_snapshot_carries_the_pod_positions_it_covers(nats_server) -> None:
+    import asyncio
+
+    import nats
+
+    from kvservice.planestore import PlaneStore
+
+    async def go():
+        nc = await nats.connect(nats_server.url)
+        try:
+            store = PlaneStore(nc.jetstream(), storage="memory")
+            await store.open()
+            await store.save("r1", b"snap", 42, {"A": (0, 9, "kv@A@m"), "B": (2, 4, "kv@B@m")})
+            got = await store.load_with_pods("r1")
+            await store.save("r2", b"old", 7)  # a snapshot that names no positions
+            return got, await store.load_with_pods("r2")
+        finally:
+            await nc.close()
+    (data, pods), (old, none) = asyncio.run(go())
+    assert data == b"snap" and pods == {"A": (0, 9, "kv@A@m"), "B": (2, 4, "kv@B@m")}
+    assert old == b"old" and none == {}
