@@ -6,7 +6,7 @@ joins, every endpoint (slot, model, learned block size, chunk lengths, token tie
 per-pod model/health/publisher attribution, the tiers table — plus the counters and the stream
 sequence it covers (``stream_seq``, given by the caller: the last sequence applied).
 
-Format (version 1)::
+Format (version 2; version 1 is read too)::
 
     b"KVRSNAP\\0" | version u32 BE | body length u64 BE | blake2b-128 of the body | body
 
@@ -14,6 +14,12 @@ The body is msgpack (msgspec) of :class:`_Body`; keys, masks and parents are pac
 (little-endian u64 words), so a 1M-key index costs ~30-40 bytes per key. Anything wrong —
 bad magic, a future version, a length or checksum that does not match, a body that does not
 decode or does not fit this router's configuration — raises :class:`SnapshotError` naming it.
+
+Version 2 changed what a learned value means, not the layout: a plain int is an engine block of
+exactly one canonical block (a block of several is ``[key, [], n]``). In version 1 an int stood
+for a block of the endpoint's block size; restoring one converts the ints of every model whose
+endpoints all told one block size of several canonical blocks (a model whose endpoints disagree
+cannot be converted exactly and keeps them as they are).
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from kvevents.errors import KVEventsError
 __all__ = ["SNAPSHOT_VERSION", "SnapshotError", "SnapshotInfo", "load_into", "save", "state_digest"]
 
 MAGIC = b"KVRSNAP\x00"
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
+_READS = (1, 2)
 _HEAD = struct.Struct(">4sIQ16s")  # (the magic's second half is checked with it)
 _HEADER_LEN = 4 + _HEAD.size
 _NOPAR = (1 << 64) - 1
@@ -141,7 +148,7 @@ def save(router: KVRouter, stream_seq: int | None = None) -> bytes:
     return MAGIC[:4] + _HEAD.pack(MAGIC[4:], SNAPSHOT_VERSION, len(body), digest) + body
 
 
-def _parse(data: bytes) -> _Body:
+def _parse(data: bytes) -> tuple[int, _Body]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise SnapshotError(f"snapshot must be bytes, got {type(data).__name__}")
     data = bytes(data)
@@ -150,16 +157,17 @@ def _parse(data: bytes) -> _Body:
     magic2, version, length, digest = _HEAD.unpack_from(data, 4)
     if data[:4] + magic2 != MAGIC:
         raise SnapshotError(f"not a router snapshot (magic {data[:8]!r}, want {MAGIC!r})")
-    if version != SNAPSHOT_VERSION:
-        raise SnapshotError(f"snapshot version {version} is not supported (this router reads version "
-                            f"{SNAPSHOT_VERSION}{'; it is from a newer release' if version > SNAPSHOT_VERSION else ''})")
+    if version not in _READS:
+        raise SnapshotError(f"snapshot version {version} is not supported (this router reads versions "
+                            f"{', '.join(map(str, _READS))}"
+                            f"{'; it is from a newer release' if version > SNAPSHOT_VERSION else ''})")
     body = data[_HEADER_LEN:]
     if len(body) != length:
         raise SnapshotError(f"snapshot truncated or padded: body of {len(body)} bytes, header says {length}")
     if hashlib.blake2b(body, digest_size=16).digest() != digest:
         raise SnapshotError("snapshot corrupt: the body's checksum does not match the header's")
     try:
-        return msgspec.msgpack.decode(body, type=_Body)
+        return version, msgspec.msgpack.decode(body, type=_Body)
     except msgspec.DecodeError as exc:  # (a checksum collision or a writer bug)
         raise SnapshotError(f"snapshot body does not decode: {exc}") from None
 
@@ -172,7 +180,7 @@ def _value(v: object) -> object:
 
 def load_into(router: KVRouter, data: bytes) -> SnapshotInfo:
     """Replace ``router``'s state with the snapshot's (the router's configuration stays)."""
-    b = _parse(data)
+    version, b = _parse(data)
     cfg = router.config
     if b.block_size != cfg.block_size or b.max_tiers != cfg.max_tiers:
         raise SnapshotError(f"snapshot made with block_size={b.block_size}, max_tiers={b.max_tiers}; this router "
@@ -220,6 +228,8 @@ def load_into(router: KVRouter, data: bytes) -> SnapshotInfo:
             ep.unreliable = unreliable
             eps.by_key[(pod, rank)] = ep
             eps.slots[slot] = ep
+        if version == 1:
+            _from_v1(router)
         eps.free_slots[:] = b.free_slots
         eps.next_slot = b.next_slot
         eps.pod_model.update(b.pod_model)
@@ -244,6 +254,24 @@ def load_into(router: KVRouter, data: bytes) -> SnapshotInfo:
         router._reset_parts()  # a cold start, not half a state
         raise SnapshotError(f"snapshot content does not fit: {type(exc).__name__}: {exc}") from None
     return SnapshotInfo(SNAPSHOT_VERSION, b.stream_seq, router.entries(), len(keys), len(router.pods()), len(data))
+
+
+def _from_v1(router: KVRouter) -> None:
+    """Version 1's learned ints meant a block of the endpoint's block size: where a model's
+    endpoints told one size of m > 1 canonical blocks, its ints become ``(key, (), m)``."""
+    C = router.config.block_size
+    learned = router.learned
+    for model, lmap in learned.maps.items():
+        sizes = {ep.block_size for ep in router.endpoints if ep.model == model and ep.block_size}
+        if len(sizes) != 1:
+            continue
+        E = sizes.pop()
+        if E % C or E // C < 2:  # (one canonical block: ints already; partial blocks: tuples already)
+            continue
+        ints = [(h, (v, (), E // C)) for h, v in lmap.items() if type(v) is int]
+        if ints:
+            lmap.update(ints)
+            learned.odd[model][0] = True
 
 
 def state_digest(router: KVRouter) -> str:

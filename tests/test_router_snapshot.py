@@ -116,7 +116,7 @@ def _scores(r: KVRouter, batches) -> list:
 
 
 @pytest.mark.parametrize("index", _backends())
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenario(), data=st.data())
 def test_restore_then_replay_from_at_or_before_the_snapshot_equals_never_stopping(index, sc, data):
     batches, config = sc
@@ -204,3 +204,27 @@ def test_a_snapshot_of_another_configuration_is_refused():
     snap = _router().snapshot()
     with pytest.raises(SnapshotError, match="block_size=2.*this router has block_size=16"):
         KVRouter(model="m").restore(snap)
+
+
+@pytest.mark.parametrize("index", _backends())
+def test_a_version_1_snapshot_is_read_and_its_learned_ints_converted(index):
+    """Version 1's learned ints meant a block of the endpoint's block size; version 2's a block
+    of one canonical block. A router of 4-token engine blocks over 2-token canonical ones,
+    written as version 1 wrote it, restores to the state it had."""
+    import hashlib
+
+    from consumers.snapshot import MAGIC, _HEAD, _Body
+
+    r = KVRouter(RouterConfig(model="m", block_size=2, index=index))
+    r.apply("w", KVEventBatch(0.0, [BlockStored([7, 8], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "GPU", None)], 0))
+    body = msgspec.msgpack.decode(r.snapshot()[_HEAD.size + 4:], type=_Body)
+    assert [v[1:] for v in body.learned[0][3]] == [[[], 2], [[], 2]]  # version 2: each value counts its keys
+    body.learned[0][3] = [v[0] for v in body.learned[0][3]]  # what version 1 wrote: plain ints
+    body.learned[0][1] = False
+    raw = msgspec.msgpack.encode(body)
+    v1 = MAGIC[:4] + _HEAD.pack(MAGIC[4:], 1, len(raw), hashlib.blake2b(raw, digest_size=16).digest()) + raw
+    back = KVRouter(RouterConfig(model="m", block_size=2, index=index))
+    back.restore(v1)
+    assert back.state_digest() == r.state_digest()
+    back.apply("w", KVEventBatch(0.0, [BlockRemoved([8], "GPU")], 0))  # a whole engine block: 2 keys
+    assert back.score([1, 2, 3, 4, 5, 6, 7, 8])["w"].matched_tokens == 4
