@@ -144,3 +144,45 @@ def test_old_runs_batches_held_for_an_unfinished_replay_are_not_delivered_as_the
     assert all(d.batch.ts >= batch(2000).ts for d in delivered), \
         f"run 1's batches delivered as run 2's: {[d.seq for d in delivered if d.batch.ts < batch(2000).ts]}"
     assert [d.seq for d in delivered] == list(range(100, 100 + len(delivered)))
+
+
+def test_the_old_connections_unread_batches_after_a_reconnect_go_with_the_old_run() -> None:
+    """The subscriber does not poll while the publisher dies and the next run comes up (as the
+    kill -9 run's loop does while it starts the next process): the old run's last batches still
+    sit unread in the SUB socket when the reconnect is seen, and are read after it. The next run
+    is behind the old one. They come before the new connection's and continue the old run's seqs
+    one by one (the descriptor cannot tell: the new connection reuses the old one's number): the
+    RESET ends the old run and its late batches with it. Before: they were held as the new run's and delivered after
+    its replay (a splice), then its live seq went back (a second RESET)."""
+    ep, rep = ipc_pair()
+    sub = Subscriber([(ep, rep, "p")], tail_probe_after=None, replay_timeout=60.0)
+    old = ZmqEventPublisher(ep, rep)
+    new = None
+    try:
+        start = wait_connected(old, sub)
+        for i in range(10):
+            old.publish(batch(i))
+        got = collect(sub, lambda g: start + 9 in seqs(g))
+        for i in range(10, 30):  # not polled: these stay in the SUB socket
+            old.publish(batch(i))
+        old.shutdown()
+        quiet = [True]
+        new = ZmqEventPublisher(ep, rep, drop_live=lambda seq: quiet[0])
+        for i in range(6):  # run 2: seqs 0..5, behind run 1 (its ring only, for now)
+            new.publish(batch(2000 + i))
+        assert sub._peers["p"].monitor.poll(10_000), "the SUB socket never reconnected"
+        got += collect(sub, lambda g: RESET in [d.kind for d in g])
+        quiet[0] = False
+        got += collect(sub, lambda g: len([d for d in g if d.kind is BATCH]) >= 20,
+                       pump=lambda: new.publish(batch(2010)))
+    finally:
+        sub.close()
+        old.shutdown()
+        if new is not None:
+            new.shutdown()
+    kinds = [d.kind for d in got]
+    assert kinds.count(RESET) == 1, [(d.kind.value, d.seq) for d in got if d.kind is not BATCH][:10]
+    after = [d for d in got[kinds.index(RESET) + 1:] if d.kind is BATCH]
+    assert all(d.batch.ts >= batch(2000).ts for d in after), \
+        f"run 1's batches delivered as run 2's: {[d.seq for d in after if d.batch.ts < batch(2000).ts][:10]}"
+    assert [d.seq for d in after] == list(range(len(after)))

@@ -56,7 +56,7 @@ class Peer:
 
     __slots__ = ("name", "replay_endpoint", "sub", "dealer", "monitor", "tracker", "anchor_seq", "anchor",
                  "anchor_run", "checking", "check_kind", "check_run", "connects", "probe_ivl", "probed_at", "gone", "bind",
-                 "suspect", "fd", "moved", "old_held")
+                 "suspect", "fd", "moved", "old_held", "old_next")
 
     def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker, bind: bool = False) -> None:
         self.name = name
@@ -77,6 +77,8 @@ class Peer:
         #: seqs of live batches held when the reconnect was seen: the old connection's, so the old
         #: run's if the check finds a restart (dropped with the old run's state by its RESET)
         self.old_held: tuple[int, ...] = ()
+        #: after a restart was found: the old run's next seq, while its unread frames may still come
+        self.old_next = -1
         self.connects = 0  #: SUB socket connections made (a second one is a reconnect)
         self.probe_ivl = 0.0
         self.probed_at = 0.0
@@ -97,12 +99,32 @@ class Peer:
         return start
 
     def drop_old_held(self) -> None:
-        """A restart was found: the live batches held before the reconnect were the old run's."""
+        """A restart was found: the live batches held before the reconnect were the old run's, and
+        so are those read after it that continue the old run's seqs one by one: one connection's
+        frames come in order, and the old connection's unread ones before the new one's (a new run
+        continuing exactly is dropped here too, and comes back in its replay from 0)."""
         self.suspect = False
         self.checking = -1
-        for seq in self.old_held:
-            self.tracker.pending.pop(seq, None)
+        pending = self.tracker.pending
+        held = set(self.old_held)
+        nxt = self.tracker.expected if self.tracker.expected is not None else -1
+        for seq in list(pending):  # in the order they arrived
+            if seq in held or seq == nxt:
+                del pending[seq]
+                nxt = seq + 1
+            else:
+                break
+        self.old_next = nxt
         self.old_held = ()
+
+    def old_leftover(self, seq: int) -> bool:
+        """After a restart was found: is the live frame ``seq`` one of the old run's, still unread
+        then? (It continues the old run's seqs; the first frame that does not ends the old run.)"""
+        if seq == self.old_next:
+            self.old_next += 1
+            return True
+        self.old_next = -1
+        return False
 
     def has_anchor(self) -> bool:
         return self.anchor is not None and self.anchor_run == self.tracker.health.resets

@@ -125,11 +125,9 @@ class Subscriber(EventSource):
 
     @classmethod
     def from_urls(cls, urls: list[str], **options) -> "Subscriber":
-        """One subscriber connected to every PUB endpoint in ``urls``; ``options`` are the constructor's."""
-        return cls(urls, **options)
+        return cls(urls, **options)  # one subscriber connected to every PUB endpoint in ``urls``
 
     # ---- setup -------------------------------------------------------------------------------
-
     @staticmethod
     def _spec(p) -> PublisherSpec:
         if isinstance(p, PublisherSpec):
@@ -351,6 +349,8 @@ class Subscriber(EventSource):
             self._table.heard(peer)
             if (fd >= 0 and self._conns.attribute(peer, fd)) or peer.moved:
                 self._reconnected(peer, int.from_bytes(seq_b, "big"), now, out)
+        if peer.old_next >= 0 and peer.old_leftover(int.from_bytes(seq_b, "big")):  # (after a RESET)
+            return  # the old run's, unread when its RESET came: it went with the old run
         if peer.suspect:  # a reconnect not verified yet: hold, check again; never spill unverified
             if not peer.tracker.recovering:
                 self._check_reconnect(peer, now)
