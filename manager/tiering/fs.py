@@ -72,7 +72,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         *,
         root: str | os.PathLike[str],
         capacity_blocks: int | None = None,
-        load_threads: int = 32,
+        load_threads: int = 64,
         store_threads: int = 16,
         num_threads: int | None = None,
         fsync: bool = False,
