@@ -125,13 +125,16 @@ def test_native_and_python_routers_score_alike(data):
     assert routers[0].pick(prompt, load=load) == routers[1].pick(prompt, load=load)
 
 
-@given(st.lists(TOKEN, max_size=60), st.sampled_from([",", ", ", " ,\n "]))
-def test_json_tokens_reads_what_msgspec_reads(tokens, sep):
-    raw = ("[" + sep.join(map(str, tokens)) + "]").encode()
+@given(st.lists(st.one_of(st.integers(0, 9), st.integers(0, 99_999_999), TOKEN), max_size=60),
+       st.sampled_from([",", ", ", " ,\n "]), st.sampled_from(["", " ", "\n\t"]))
+def test_json_tokens_reads_what_msgspec_reads(tokens, sep, pad):
+    raw = (pad + "[" + pad + sep.join(map(str, tokens)) + pad + "]" + pad).encode()
     assert json_tokens(raw) == array("I", msgspec.json.decode(raw, type=list[int]))
 
 
 @pytest.mark.parametrize("text", ["[-1]", "[1.0]", "[1e3]", "[4294967296]", "[99999999999]", '["1"]', "[null]",
+                                  "[1, 2, 3, 4.5, 6, 7]", "[1, 2, 3, 4, 1234567e1, 8]", "[1, 2, 3, 12345678901]",
+                                  "[1, 2, 3, 4, -5, 6, 7, 8, 9]", '[1, 2, 3, "4", 5, 6, 7, 8]',
                                   "{}", '"abc"', "null", "[[1]]", "[1,]", "[1 2]", "[1] x", ""])
 def test_json_tokens_leaves_everything_else_to_msgspec(text):
     assert json_tokens(text.encode()) is None
