@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
@@ -66,6 +67,17 @@ def run_workload(engine, sub, router, n: int = 12) -> list:
     return got
 
 
+def sent_all(pub, timeout: float = 10.0) -> None:
+    """Poll until every seq the publisher handed out is accounted for by its sender thread."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = pub.stats()
+        if st["batches_published"] + st["live_dropped"] + st["send_errors"] + st["overflow_lost"] >= pub.next_seq:
+            return
+        assert time.monotonic() < deadline, f"sender still owes batches: {st} next_seq={pub.next_seq}"
+        time.sleep(0.001)
+
+
 def test_metrics_reflect_the_counters(stack):
     pub, sub, engine, router = stack
     reader = InMemoryMetricReader()
@@ -77,6 +89,7 @@ def test_metrics_reflect_the_counters(stack):
     got = run_workload(engine, sub, router)
     router.pick([t for t in range(17)])
     router.pick([5, 6, 7, 8, 9])
+    sent_all(pub)  # a batch can reach the subscriber before the sender thread counts it as sent
     p = points(reader)
     ps = pub.stats()
     P = (("publisher", "pod0"),)
