@@ -129,8 +129,13 @@ class Index(ABC):
 
     def native_table(self):
         """The C table (``consumers._fastpath.MaskTable``) a native ingestor may write the common
-        events to directly, or None (the ingestor then goes through this role in Python)."""
+        events to directly and the scorer may walk in C, or None (both then go through this role
+        in Python)."""
         return None
+
+    def matched_natively(self, n_keys: int) -> None:
+        """Told after the scorer walked ``n_keys`` keys of :meth:`native_table` in C (a match
+        that did not pass through :meth:`match`); a wrapper counts it, a backend ignores it."""
 
     @abstractmethod
     def lane_counts(self, tiers: int) -> list[int]:

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from . import feed, snapshot
 from .endpoints import Endpoints, pod_from_topic
 from .index import Index, make_index
-from .instrumented import InstrumentedIndex
+from .instrumented import InstrumentedIndex, TracedIndex
 from .ingest import Ingestor
 from .keys import _FAST
 from .learned import LearnedMap
@@ -52,6 +52,8 @@ class KVRouter:
         index = make_index(config.index, config.max_entries, max_tiers=config.max_tiers, native=_FAST is not None)
         if config.index_metrics:
             index = InstrumentedIndex(index)
+        if config.index_tracing:
+            index = TracedIndex(index)
         self._index = index
         native = available(config, index)
         self._learned = LearnedMap(config.max_learned or config.max_entries,

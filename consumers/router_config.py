@@ -74,6 +74,9 @@ class RouterConfig:
     #: count the calls made through the Index role (consumers.instrumented.InstrumentedIndex in
     #: front of the backend; exported by consumers.telemetry.observe_router); the C ingest stays
     index_metrics: bool = False
+    #: a span for each clear, eviction pass, grow and snapshot load of the index
+    #: (consumers.instrumented.TracedIndex; made while consumers.telemetry.instrument_router runs)
+    index_tracing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_entries", "pending_capacity", "pending_max_batches", "max_tiers",

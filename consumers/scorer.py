@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from .endpoints import Endpoints
 from .index import Index
 from .keys import _FAST, as_token_list, chain_keys, model_seed
-from .nativeindex import NativeBlockIndex
 from .router_config import RouterConfig, RouterStats
 from .score import Explanation, Score, TierMatch, best, better
 
@@ -31,10 +30,13 @@ class Scorer:
         self._stats = stats
         self._cplan: tuple = (None, None)  # (the endpoints' plan, score_pods' plan built from it)
 
-    def _native(self, lanes) -> bool:
+    def _table(self, lanes):
+        """The index's C table when the walk can run in C (native backend, or a wrapper of it),
+        else None."""
         index = self.index
-        return (_score_walk is not None and type(index) is NativeBlockIndex and index.cap <= 1024
-                and len(lanes) <= 16)
+        if _score_walk is None or len(lanes) > 16 or index.cap > 1024:
+            return None
+        return index.native_table()
 
     def _pods_plan(self, plan: tuple) -> tuple:
         """score_pods' plan for the endpoints' ``plan`` (rebuilt when that changes)."""
@@ -57,8 +59,10 @@ class Scorer:
         seed = model_seed(model, lora_name)
         stages, lanes, start, eps = self.eps.plan(model)
         index = self.index
-        if self._native(lanes):
-            n_keys, segments, ends = _score_walk(index.masks, toks, seed, self._bs, lanes, start)
+        table = self._table(lanes)
+        if table is not None:
+            n_keys, segments, ends = _score_walk(table, toks, seed, self._bs, lanes, start)
+            index.matched_natively(n_keys)
             return toks, n_keys, stages, segments, ends, model, eps
         if type(toks) is array:
             toks = toks.tolist()
@@ -73,9 +77,11 @@ class Scorer:
             toks = tokens if type(tokens) in _DIRECT else as_token_list(tokens)
             model = self.eps.model_for_query(model)
             plan = self.eps.plan(model)
-            if self._native(plan[1]):
-                out, top = _score_pods(self.index.masks, toks, model_seed(model, lora_name), self._bs,
+            table = self._table(plan[1])
+            if table is not None:
+                out, top = _score_pods(table, toks, model_seed(model, lora_name), self._bs,
                                        self._pods_plan(plan), load)
+                self.index.matched_natively(len(toks) // self._bs)
                 self._count(len(toks), top)
                 return out
         toks, n_keys, stages, segments, ends, model, eps = self._walk(tokens, lora_name, model)

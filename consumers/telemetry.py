@@ -33,6 +33,7 @@ from kvevents.telemetry.instruments import Observation, attribute_cache, get_met
 from kvevents.telemetry.messaging import MESSAGES, SYSTEM, MessageRegistry, message_id
 from kvevents.telemetry.sampling import resolve_sample_every
 
+from .instrumented import InstrumentedIndex, TracedIndex, find_wrapper
 from .score import best
 
 _pick = best
@@ -239,10 +240,10 @@ def observe_router(router: Any, meter: Meter | None = None, *, refresh_interval:
             lambda: [(n, a(pod=p, tier=t)) for p, d in router.chunk_extents().items() for t, n in d.items()])
     obs.add(meter, "kvevents.router.offload.pending", simple(lambda: router.counters()["pending"]))
     obs.add(meter, "kvevents.router.evicted", simple(lambda: router.index.evicted_entries))
-    calls = getattr(router.index, "calls", None)  # an InstrumentedIndex (RouterConfig.index_metrics)
-    if isinstance(calls, dict):
+    counted = find_wrapper(router.index, InstrumentedIndex)  # RouterConfig.index_metrics
+    if counted is not None:
         obs.add(meter, "kvevents.router.index.operations",
-                lambda: [(n, a(op=op)) for op, n in list(router.index.calls.items())])
+                lambda: [(n, a(op=op)) for op, n in list(counted.calls.items())])
     obs.add(meter, "kvevents.router.removals",
             lambda: [(s.blocks_removed, a(outcome="removed")) for s in (router.stats,)]
             + [(router.stats.remove_unknown, a(outcome="unknown"))])
@@ -258,6 +259,9 @@ class _Traced:
 
     def close(self) -> None:
         self.probe.tracer = None
+        traced = find_wrapper(self.probe.router.index, TracedIndex)
+        if traced is not None:
+            traced.tracer = None
         self.probe.maybe_close()
 
 
@@ -271,4 +275,7 @@ def instrument_router(router: Any, tracer_provider: trace.TracerProvider | None 
     probe.score_calls = 0
     probe.tracer = get_tracer(tracer_provider)
     probe.registry = registry
+    traced = find_wrapper(router.index, TracedIndex)  # RouterConfig.index_tracing
+    if traced is not None:
+        traced.tracer = probe.tracer
     return _Traced(probe)

@@ -9,8 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from opentelemetry.sdk.trace import TracerProvider
+
 from consumers import INDEX_BACKENDS, Index, KVRouter
-from consumers.instrumented import InstrumentedIndex
+from consumers.instrumented import InstrumentedIndex, TracedIndex
 from kvevents.errors import ConfigError
 
 
@@ -20,12 +22,17 @@ def _make(name: str, max_entries: int = 1 << 20) -> Index:
         idx = INDEX_BACKENDS.get(name).create(max_entries, max_tiers=3)
     except ConfigError as exc:
         pytest.skip(f"index backend {name!r} not available: {exc}")
-    return InstrumentedIndex(idx) if wrapper else idx
+    if wrapper == "instrumented":
+        return InstrumentedIndex(idx)
+    if wrapper == "traced":  # with a live tracer, so that every span path runs
+        return TracedIndex(idx, TracerProvider().get_tracer("contract"))
+    return idx
 
 
-# every backend, and each behind the instrumented wrapper (the role's telemetry wrapper must
-# answer as the backend it wraps)
-@pytest.fixture(params=[*INDEX_BACKENDS.names(), *(f"{n}+instrumented" for n in INDEX_BACKENDS.names())])
+# every backend, and each behind each telemetry wrapper (the role's wrappers must answer as the
+# backend they wrap)
+@pytest.fixture(params=[*INDEX_BACKENDS.names(), *(f"{n}+{w}" for w in ("instrumented", "traced")
+                                                      for n in INDEX_BACKENDS.names())])
 def backend(request):
     return request.param
 
@@ -99,8 +106,10 @@ def test_items_and_load_round_trip(backend, ops):
 def test_router_config_picks_the_backend(backend):
     _make(backend)  # (skips where it cannot be built)
     name, _, wrapper = backend.partition("+")
-    r = KVRouter(model="m", index=name, index_metrics=bool(wrapper))
+    r = KVRouter(model="m", index=name, index_metrics=wrapper == "instrumented", index_tracing=wrapper == "traced")
     inner = r.index.inner if wrapper else r.index
-    assert type(inner) is INDEX_BACKENDS.get(name) and isinstance(r.index, InstrumentedIndex) == bool(wrapper)
+    assert type(inner) is INDEX_BACKENDS.get(name)
+    assert isinstance(r.index, InstrumentedIndex) == (wrapper == "instrumented")
+    assert isinstance(r.index, TracedIndex) == (wrapper == "traced")
     with pytest.raises(ConfigError, match="unknown index backend 'nope'"):
         KVRouter(model="m", index="nope")

@@ -88,3 +88,60 @@ def test_a_router_without_index_metrics_has_no_wrapper_and_no_series():
              for m in sm.metrics}
     obs.close()
     assert "kvevents.router.index.operations" not in names and "kvevents.router.batches" in names
+
+
+@pytest.mark.skipif(keys_mod._FAST is None, reason="the C extension is not in use")
+def test_scoring_stays_in_c_behind_the_wrapper_and_is_counted(monkeypatch):
+    from consumers.nativeindex import NativeBlockIndex
+
+    plain, watched = _routers("native")
+    for b in _stream():
+        plain.apply("p", b)
+        watched.apply("p", b)
+
+    def python_walk(*_a, **_k):  # the role's Python match: never reached while scoring in C
+        raise AssertionError("scored through the Python walk")
+
+    prompt = list(range(100, 164))
+    with monkeypatch.context() as m:
+        m.setattr(NativeBlockIndex, "match", python_walk)
+        assert watched.score(prompt) == plain.score(prompt)
+        assert watched.pick(prompt) == plain.pick(prompt)
+    # both C walks told the wrapper what they walked: 32 keys of 2 tokens each
+    assert (watched.index.calls["match"], watched.index.keys["match"]) == (2, 64)
+    # explain (not a hot path) walks through the role in Python, counted the same way
+    assert watched.explain(prompt) == plain.explain(prompt)
+    assert (watched.index.calls["match"], watched.index.keys["match"]) == (3, 96)
+
+
+@pytest.mark.parametrize("index", ["python"] + (["native"] if keys_mod._FAST is not None else []))
+def test_traced_index_spans_the_heavy_operations_while_instrumented(index):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from consumers.instrumented import TracedIndex
+    from consumers.telemetry import instrument_router
+
+    exporter = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    r = KVRouter(model="m", block_size=2, index=index, index_tracing=True, index_metrics=True)
+    assert isinstance(r.index, TracedIndex) and r.index.tracer is None
+    gpu, off, rest = _stream()
+    r.apply("p", gpu)
+    r.reset_pod("p")  # not traced yet: no tracer
+    assert exporter.get_finished_spans() == ()
+    traced = instrument_router(r, tracer_provider=tp, sample_every=1)
+    r.apply("p", gpu)
+    held = r.index.entries
+    r.reset_pod("p")
+    clears = [s for s in exporter.get_finished_spans() if s.name == "kvevents.router.index.clear"]
+    assert len(clears) == 1 and clears[0].attributes["kvevents.index.entries"] == held > 0
+    assert r.index.inner.calls["clear"] >= 1  # the instrumented wrapper behind it still counts
+    traced.close()
+    assert r.index.tracer is None
+    n = len(exporter.get_finished_spans())
+    r.apply("p", gpu)
+    r.reset_pod("p")
+    assert len(exporter.get_finished_spans()) == n
