@@ -57,6 +57,26 @@ chain_step(uint64_t prev, int64_t content)
     return chain_step_lane(int_hash_u(prev), content);
 }
 
+/* keys of every full block of a list/tuple of ints (CPython's own hash per item); -1 on error */
+static int
+keys_of_items(PyObject **items, Py_ssize_t bs, int64_t parent_lane, uint64_t *keys, Py_ssize_t nb)
+{
+    uint64_t k = 0;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        uint64_t acc = XXP5;
+        PyObject **it = items + b * bs;
+        for (Py_ssize_t j = 0; j < bs; j++) {
+            Py_hash_t h = PyObject_Hash(it[j]);
+            if (h == -1 && PyErr_Occurred())
+                return -1;
+            acc = lane_mix(acc, (int64_t)h);
+        }
+        k = b ? chain_step(k, tuple_end(acc, (uint64_t)bs)) : chain_step_lane(parent_lane, tuple_end(acc, (uint64_t)bs));
+        keys[b] = k;
+    }
+    return 0;
+}
+
 static PyObject *
 py_chain_keys(PyObject *self, PyObject *args)
 {
@@ -74,37 +94,27 @@ py_chain_keys(PyObject *self, PyObject *args)
     PyObject *seq = PySequence_Fast(tokens, "tokens must be a sequence of ints");
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    Py_ssize_t nblocks = n / bs;
-    PyObject *out = PyList_New(nblocks);
-    if (out == NULL) {
-        Py_DECREF(seq);
-        return NULL;
+    Py_ssize_t nblocks = PySequence_Fast_GET_SIZE(seq) / bs;
+    uint64_t small[64];
+    uint64_t *keys = nblocks <= 64 ? small : PyMem_Malloc((size_t)nblocks * sizeof(uint64_t));
+    PyObject *out = NULL;
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
-    uint64_t k = 0;
-    for (Py_ssize_t b = 0; b < nblocks; b++) {
-        uint64_t acc = XXP5;
-        PyObject **it = items + b * bs;
-        for (Py_ssize_t j = 0; j < bs; j++) {
-            Py_hash_t h = PyObject_Hash(it[j]);
-            if (h == -1 && PyErr_Occurred()) {
-                Py_DECREF(seq);
-                Py_DECREF(out);
-                return NULL;
-            }
-            acc = lane_mix(acc, (int64_t)h);
-        }
-        k = b ? chain_step(k, tuple_end(acc, (uint64_t)bs))
-              : chain_step_lane((int64_t)parent_lane, tuple_end(acc, (uint64_t)bs));
-        PyObject *key = PyLong_FromUnsignedLongLong(k);
-        if (key == NULL) {
-            Py_DECREF(seq);
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, b, key);
+    if (keys_of_items(PySequence_Fast_ITEMS(seq), bs, (int64_t)parent_lane, keys, nblocks) < 0)
+        goto done;
+    out = PyList_New(nblocks);
+    for (Py_ssize_t b = 0; out != NULL && b < nblocks; b++) {
+        PyObject *key = PyLong_FromUnsignedLongLong(keys[b]);
+        if (key == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, b, key);
     }
+done:
+    if (keys != small)
+        PyMem_Free(keys);
     Py_DECREF(seq);
     return out;
 }

@@ -43,26 +43,6 @@ keys_of_buffer(const Py_buffer *v, char kind, Py_ssize_t bs, int64_t parent_lane
     }
 }
 
-/* keys of every full block of a list/tuple of ints (CPython's own hash per item); -1 on error */
-static int
-keys_of_items(PyObject **items, Py_ssize_t bs, int64_t parent_lane, uint64_t *keys, Py_ssize_t nb)
-{
-    uint64_t k = 0;
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        uint64_t acc = XXP5;
-        PyObject **it = items + b * bs;
-        for (Py_ssize_t j = 0; j < bs; j++) {
-            Py_hash_t h = PyObject_Hash(it[j]);
-            if (h == -1 && PyErr_Occurred())
-                return -1;
-            acc = lane_mix(acc, (int64_t)h);
-        }
-        k = b ? chain_step(k, tuple_end(acc, (uint64_t)bs)) : chain_step_lane(parent_lane, tuple_end(acc, (uint64_t)bs));
-        keys[b] = k;
-    }
-    return 0;
-}
-
 /* the buffer's item kind for keys_of_buffer: 'I', 'i', 'Q', 'q', or 0 if not a 4/8-byte int */
 static char
 int_kind(const Py_buffer *v)

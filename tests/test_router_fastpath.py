@@ -237,6 +237,12 @@ def test_c_chain_keys_equal_the_python_chain_on_every_int_hash_case():
         for parent in (0, 1, 2**60 - 1, 2**61 + 3, -5):
             assert _fastpath.chain_keys(probe, parent, bs) == chain_keys_py(probe, parent, bs)
     assert _fastpath.chain_keys((1, 2, 3, 4), 7, 2) == chain_keys_py([1, 2, 3, 4], 7, 2)
+    # past 64 blocks the keys go through a heap buffer instead of the stack one
+    long = list(range(-3000, 3000, 3)) * 2
+    for n in (64 * 16, 65 * 16 + 3, len(long)):
+        assert _fastpath.chain_keys(long[:n], 9, 16) == chain_keys_py(long[:n], 9, 16)
+    with pytest.raises(TypeError):
+        _fastpath.chain_keys([1] * 2000 + [[2]], 0, 1)  # an unhashable token, heap path
     with pytest.raises(ValueError, match="block_size must be > 0"):
         _fastpath.chain_keys([1], 0, 0)
     with pytest.raises(TypeError):
