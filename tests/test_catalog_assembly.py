@@ -19,7 +19,7 @@ class _EP:
 
 
 def _s(name, component="x"):
-    return spec(name, COUNTER, "1", "A count.", (), component, "stats.n", name.replace(".", "_") + "_total")
+    return spec(name, COUNTER, "1", "A count.", (), component, "stats.n")
 
 
 def test_each_component_declares_its_specs_in_its_own_package():

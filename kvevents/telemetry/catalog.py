@@ -62,9 +62,26 @@ class MetricSpec:
     buckets: tuple[float, ...] | None = None  #: explicit histogram bucket bounds
 
 
-def spec(name, kind, unit, description, attributes, component, source, prometheus, buckets=None) -> MetricSpec:
-    """A :class:`MetricSpec` (attributes as any iterable): what components' spec lists are written with."""
-    return MetricSpec(name, kind, unit, description, tuple(attributes), component, source, prometheus, buckets)
+#: the unit suffix a Prometheus scrape adds to a series name (unless the name already ends with it)
+_UNIT_SUFFIX = {"By": "_bytes", "s": "_seconds"}
+
+
+def prometheus_name(name: str, kind: str, unit: str) -> str:
+    """The series name a Prometheus scrape gives instrument ``name``: dots to underscores, the
+    unit's suffix (``By`` bytes, ``s`` seconds) unless the name ends with it, ``_total`` on a
+    counter (histograms: the base of ``_bucket``/``_sum``/``_count``)."""
+    base = name.replace(".", "_")
+    suffix = _UNIT_SUFFIX.get(unit, "")
+    if suffix and not base.endswith(suffix):
+        base += suffix
+    return base + ("_total" if kind == COUNTER else "")
+
+
+def spec(name, kind, unit, description, attributes, component, source, *, buckets=None) -> MetricSpec:
+    """A :class:`MetricSpec` (attributes as any iterable; the Prometheus name derived by
+    :func:`prometheus_name`): what components' spec lists are written with."""
+    return MetricSpec(name, kind, unit, description, tuple(attributes), component, source,
+                      prometheus_name(name, kind, unit), buckets)
 
 
 class CatalogError(Exception):
