@@ -46,6 +46,15 @@ class LoopThread:
         """Run ``coro`` on the loop and wait for its result (its exception is raised here)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def start(self, coro: Coroutine) -> Any:
+        """Run a component's start-up ``coro`` like :meth:`call`; if it fails, stop the loop (the
+        component never started, so nothing else will) and raise its error."""
+        try:
+            return self.call(coro)
+        except BaseException:
+            self.stop()
+            raise
+
     def submit(self, coro: Coroutine):
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 

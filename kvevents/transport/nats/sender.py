@@ -54,11 +54,7 @@ class PlaneSender:
         self._lock = threading.Lock()
         self.nc = None
         self.js = None
-        try:
-            self._lt.call(self._start())
-        except BaseException:
-            self._lt.stop()
-            raise
+        self._lt.start(self._start())
 
     # ---- on the loop thread ---------------------------------------------------------------
 

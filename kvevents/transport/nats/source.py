@@ -113,11 +113,7 @@ class JetStreamSource(EventSource):
         self._last_msg = None
         self._closed = False
         self._lt = LoopThread(f"kvevents-js-{durable}")
-        try:
-            self._lt.call(self._start())
-        except BaseException:
-            self._lt.stop()
-            raise
+        self._lt.start(self._start())
 
     # ---- loop thread ---------------------------------------------------------------------------
 
