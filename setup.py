@@ -1,8 +1,9 @@
-"""Build hook for the one optional C extension (metadata lives in pyproject.toml).
+"""Build hook for the optional C extensions (metadata lives in pyproject.toml).
 
 ``consumers._fastpath`` speeds up the router's ingest and key hashing. It is optional: where
 no C compiler is available the build skips it and the router runs in pure Python
-(``consumers.fastpath_status()`` says which).
+(``consumers.fastpath_status()`` says which). ``manager.tiering._fsio`` is the fs tier's load
+path and CRC32C (needs zlib.h); without it the tier reads in Python (``stats()["native_io"]``).
 """
 
 from setuptools import Extension, setup
@@ -16,6 +17,14 @@ setup(
                                                  "_masktable_ops.h", "_learned.h", "_learned_py.h")],
             optional=True,
             extra_compile_args=["-O2", "-Wall", "-Wno-unused-variable"],
-        )
+        ),
+        Extension(
+            "manager.tiering._fsio",
+            sources=["manager/tiering/_fsio.c"],
+            depends=["manager/tiering/_fsio_crc.h"],
+            libraries=["z"],
+            optional=True,
+            extra_compile_args=["-O2", "-Wall"],
+        ),
     ]
 )

@@ -319,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         systems.append(Device())
     probe = FileSystemSecondaryTierManager(root=os.path.join(base, "probe"), enable_events=False)
     print(f"directory {base}: O_DIRECT {'supported' if probe.o_direct else 'not supported'}; "
-          f"checksum {probe.stats()['checksum']}; {os.cpu_count()} CPUs")
+          f"checksum {probe.stats()['checksum']}; load path {'C (_fsio)' if probe.stats()['native_io'] else 'Python'}; "
+          f"{os.cpu_count()} CPUs")
     probe.shutdown()
     notes = set()
     for shape in args.shapes.split(","):

@@ -1,6 +1,9 @@
 """The fs tier's direct read/write path (issue 14): loads land straight in the slot, with
 and without O_DIRECT, aligned or not; damaged, truncated and empty files are never a hit;
-the checksum falls back to zlib's CRC32 when no CRC32C implementation is installed."""
+the checksum falls back to zlib's CRC32 when no CRC32C implementation is installed.
+
+Every test runs on both load paths: Python (``fs_io.read_block_into``) and, where it is built,
+the C extension (``fs_io.native``)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,15 @@ from manager.tiering import fs_io
 from manager.tiering.fs import FileSystemSecondaryTierManager
 
 BLOCK = 8192  # two pages: O_DIRECT-able
+PATH = {"native_io": False}
+
+
+@pytest.fixture(autouse=True, params=["python", "c"])
+def load_path(request: pytest.FixtureRequest) -> str:
+    if request.param == "c" and fs_io.native is None:
+        pytest.skip("the C extension manager.tiering._fsio is not built")
+    PATH["native_io"] = request.param == "c"
+    return str(request.param)
 
 
 def K(i: int) -> bytes:
@@ -35,8 +47,9 @@ def host(n: int, aligned: bool) -> NumpyBlockIO:
 
 
 def tier_at(root: Path, io: BlockIO | None, **kw) -> FileSystemSecondaryTierManager:  # type: ignore[no-untyped-def]
-    t = SecondaryTierFactory.create_secondary_tier({"type": "fs", "root": str(root), **kw}, block_io=io)
+    t = SecondaryTierFactory.create_secondary_tier({"type": "fs", "root": str(root), **PATH, **kw}, block_io=io)
     assert isinstance(t, FileSystemSecondaryTierManager)
+    assert t.stats()["native_io"] is PATH["native_io"]
     return t
 
 
@@ -190,14 +203,14 @@ def test_scan_drops_torn_files_and_the_previous_format(tmp_path: Path) -> None:
     t2.shutdown()
 
 
-def test_checksum_falls_back_to_zlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without a CRC32C implementation files carry zlib's CRC32 (and say so in their header);
-    a process with CRC32C reads them. A CRC32C file where CRC32C is missing cannot be
-    verified: the scan neither offers nor deletes it (it is not damaged)."""
+def test_checksum_kinds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a fast CRC32C files carry zlib's CRC32 (and say so in their header); a process
+    with CRC32C reads them; a process without a fast CRC32C still verifies CRC32C files (the
+    pure-Python table). A file whose checksum kind this format does not know is neither
+    offered nor deleted by the scan, and never loaded."""
     io = host(2, True)
     io.write_block(0, pattern(5))
     io.write_block(1, pattern(6))
-    with_c = fs_io.crc32c
     monkeypatch.setattr(fs_io, "crc32c", None)
     t = tier_at(tmp_path, io)
     assert t.stats()["checksum"] == "crc32"
@@ -206,20 +219,36 @@ def test_checksum_falls_back_to_zlib(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert run(t, JobMetadata(2, [K(1)], ids(0), True), load=True).success
     assert bytes(io.read_block(0)) == pattern(5)
     t.shutdown()
-    if with_c is None:
-        return  # this environment has no CRC32C: the rest needs one
-    monkeypatch.setattr(fs_io, "crc32c", with_c)
+    fast = fs_io.crc32c if fs_io.crc32c is not None else fs_io.crc32c_python
+    monkeypatch.setattr(fs_io, "crc32c", fast)
     t2 = tier_at(tmp_path, io)
     assert t2.stats()["checksum"] == "crc32c"
     io.write_block(1, pattern(6))
     assert run(t2, JobMetadata(3, [K(1)], ids(0), True), load=True).success  # a CRC32 file
     assert run(t2, JobMetadata(4, [K(2)], ids(1), False)).success  # a CRC32C file
     t2.shutdown()
+    assert t._path(K(2)).read_bytes()[5] == fs_io.CRC_CRC32C and t._path(K(1)).read_bytes()[5] == fs_io.CRC_CRC32
     monkeypatch.setattr(fs_io, "crc32c", None)
-    t3 = tier_at(tmp_path, io)  # the scan leaves the CRC32C file alone and does not offer it
-    assert t3.lookup(K(2)) is LookupResult.MISS and t._path(K(2)).exists() and t3.foreign_files == 1
-    assert t3.lookup(K(1)) is LookupResult.HIT
+    io.array[:] = 0
+    t3 = tier_at(tmp_path, io)  # no fast CRC32C: the scan and the load verify it in Python (or C)
+    assert t3.lookup(K(2)) is LookupResult.HIT and t3.lookup(K(1)) is LookupResult.HIT
+    assert run(t3, JobMetadata(5, [K(2), K(1)], ids(0, 1), True), load=True).success
+    assert bytes(io.read_block(0)) == pattern(6) and bytes(io.read_block(1)) == pattern(5)
     t3.shutdown()
+    raw = bytearray(t._path(K(2)).read_bytes())
+    raw[5] = 7  # a checksum kind from the future
+    t._path(K(2)).write_bytes(bytes(raw))
+    t4 = tier_at(tmp_path, io)
+    assert t4.lookup(K(2)) is LookupResult.MISS and t._path(K(2)).exists() and t4.foreign_files == 1
+    t4.shutdown()
+
+
+def test_crc32c_python_matches_the_fast_one() -> None:
+    data = np.random.default_rng(3).integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    assert fs_io.crc32c_python(b"123456789") == 0xE3069283  # the standard check value
+    if fs_io.crc32c is not None:
+        for n in (0, 1, 7, 8, 33, 5000):
+            assert fs_io.crc32c_python(data[:n]) == fs_io.crc32c(data[:n])
 
 
 def test_store_errors_leave_nothing_claimed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,4 +271,60 @@ def test_fsync_store(tmp_path: Path) -> None:
     assert run(t, JobMetadata(1, [K(1)], ids(0), False)).success
     assert run(t, JobMetadata(2, [K(1)], ids(1), True), load=True).success
     assert bytes(io.read_block(1)) == pattern(1)
+    t.shutdown()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+@pytest.mark.parametrize("how", ["wrong_key", "missing"])
+def test_wrong_key_and_missing_files_are_never_a_hit(tmp_path: Path, how: str, direct: bool) -> None:
+    """A whole, valid block file of another key under this key's name, or no file at all
+    (deleted behind the tier's back): the load fails and the key is dropped with a removal."""
+    if direct and not fs_io.probe_o_direct(str(tmp_path)):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    io = host(2, True)
+    io.write_block(0, pattern(1))
+    io.write_block(1, pattern(2))
+    t = tier_at(tmp_path, io, o_direct=direct)
+    assert run(t, JobMetadata(1, [K(1), K(2)], ids(0, 1), False)).success
+    t.take_events()
+    if how == "wrong_key":
+        t._path(K(2)).replace(t._path(K(1)))
+    else:
+        t._path(K(1)).unlink()
+    io.array[:] = 0
+    assert run(t, JobMetadata(2, [K(1)], ids(0), True), load=True) == JobResult(2, False)
+    assert t.lookup(K(1)) is LookupResult.MISS and t.loads == 0 and t.load_errors == 1
+    assert [(e.keys, e.removed) for e in t.take_events()] == [([K(1)], True)]
+    t.shutdown()
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+def test_one_damaged_block_fails_its_job_and_only_it_is_dropped(tmp_path: Path, aligned: bool) -> None:
+    io = host(8, aligned)
+    for b in range(8):
+        io.write_block(b, pattern(b))
+    t = tier_at(tmp_path, io, load_threads=3)
+    keys = [K(b) for b in range(8)]
+    assert run(t, JobMetadata(1, keys, ids(*range(8)), False)).success
+    t.take_events()
+    _damage(t._path(K(5)), "payload_flip")
+    io.array[:] = 0
+    assert run(t, JobMetadata(2, keys, ids(*range(8)), True), load=True) == JobResult(2, False)
+    assert t.lookup(K(5)) is LookupResult.MISS and t.corrupt_files == 1
+    assert [(e.keys, e.removed) for e in t.take_events()] == [([K(5)], True)]
+    others = [b for b in range(8) if b != 5]
+    assert run(t, JobMetadata(3, [K(b) for b in others], ids(*others), True), load=True).success
+    for b in others:
+        assert bytes(io.read_block(b)) == pattern(b)
+    t.shutdown()
+
+
+def test_native_io_demanded_but_not_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvevents.errors import ConfigError
+
+    monkeypatch.setattr(fs_io, "native", None)
+    with pytest.raises(ConfigError, match="native_io=True"):
+        FileSystemSecondaryTierManager(root=tmp_path, native_io=True)
+    t = FileSystemSecondaryTierManager(root=tmp_path)  # auto: the Python path
+    assert t.stats()["native_io"] is False
     t.shutdown()

@@ -11,6 +11,8 @@ does not walk past a group full of recently deleted inodes; see ``fs_io.spread_d
   ``O_DIRECT`` where the filesystem takes it (probed once; ``o_direct`` forces it on or off),
   then check the CRC over the slot. A missing, torn, corrupt or mismatched file fails the
   job (never a hit with wrong or missing bytes); a damaged file is deleted with a removal.
+  Where the C extension is built (``native_io``, default on then) a load job is one call
+  into it: ``load_threads`` C threads read and check its blocks without the GIL.
 * Stores write a temp file (one ``pwritev``) and rename it into place: a reader sees no file
   or a whole one. Durability when a store job reports success: every block is a whole file
   under its final name (survives a crash of the process); with ``fsync=True`` the data
@@ -47,6 +49,7 @@ from kvevents.errors import ConfigError
 from ..base import LookupResult, OffloadKey, OffloadPolicy, ReqContext, RequestOffloadingContext
 from . import fs_io
 from .base import JobMetadata, JobResult, SecondaryTierManager
+from .fs_load import OS_ERROR, Loader, NativeLoader, PythonLoader
 from .fs_scan import SUFFIX, OwnerLock, probe_block_file, scan_root
 
 __all__ = ["FileSystemSecondaryTierManager"]
@@ -80,6 +83,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         max_store_backlog_blocks: int = 512,
         shared_root: bool = False,
         spread_dirs: bool = True,
+        native_io: bool | None = None,
         offload_policy: str = "block_level",
         **kw: Any,
     ) -> None:
@@ -93,6 +97,8 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         for name, n in (("load_threads", load_threads), ("store_threads", store_threads)):
             if not isinstance(n, int) or n <= 0:
                 raise ConfigError(f"fs tier: {name} must be an int > 0, got {n!r}")
+        if native_io and fs_io.native is None:
+            raise ConfigError("fs tier: native_io=True, but the C extension manager.tiering._fsio is not built")
         try:
             self.policy = OffloadPolicy(offload_policy)
         except ValueError:
@@ -111,7 +117,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self.load_threads, self.store_threads = load_threads, store_threads
         self.o_direct = fs_io.probe_o_direct(self._root) if o_direct is None else bool(o_direct)
         self.crc_kind = fs_io.default_crc_kind()
-        self._bufs = fs_io.IOBuffers()
+        self._bufs = fs_io.IOBuffers()  # (per thread: the store threads')
         self._lock = threading.Condition()
         self._index: OrderedDict[OffloadKey, None] = OrderedDict()  # committed keys, LRU first
         self._writing: set[OffloadKey] = set()
@@ -128,6 +134,8 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self._loads = ThreadPoolExecutor(load_threads, thread_name_prefix=f"kv-{tier_type}-load")
         self._stores = ThreadPoolExecutor(store_threads, thread_name_prefix=f"kv-{tier_type}-store")
         self._probes = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{tier_type}-lookup") if shared_root else None
+        native = fs_io.native is not None if native_io is None else native_io
+        self._loader: Loader = (NativeLoader if native else PythonLoader)(load_threads, self.o_direct)
         # Counters.
         self.stores = 0
         self.loads = 0
@@ -264,7 +272,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         with self._lock:
             for key in job.keys:
                 self._reading[key] = self._reading.get(key, 0) + 1
-        self._submit(self._loads, self.load_threads, self._load_task, job)
+        self._submit(self._loads, self._loader.tasks_per_job, self._load_task, job)
 
     def _submit(self, pool: ThreadPoolExecutor, threads: int, fn: Any, job: JobMetadata) -> None:
         n = len(job.keys)
@@ -400,47 +408,29 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
             self._task_done(state, ok, hi - lo)
 
     def _load_task(self, state: _JobState, lo: int, hi: int) -> None:
-        job, ok, done = state.job, True, 0
-        io, bufs = self.block_io, self._bufs
+        job = state.job
+        keys = job.keys[lo:hi]
         try:
-            nbytes = io.block_nbytes if io is not None else None
-            for key, block_id in zip(job.keys[lo:hi], job.block_ids[lo:hi].tolist()):
-                if not state.ok:  # another task of the job failed: the job fails anyway
-                    ok = False
-                    break
-                if not self._load_one(key, int(block_id), nbytes, bufs):
-                    ok = False
-                    break
-                done += 1
+            items = [(self._file(k), k, b) for k, b in zip(keys, job.block_ids[lo:hi].tolist())]
+            outcomes = self._loader.load(items, self.block_io, lambda: not state.ok)
         except Exception:
-            ok = False
-        self._task_done(state, ok, loaded=done)
+            outcomes = []
+        for key, reason in zip(keys, outcomes):
+            if reason is not None and reason != OS_ERROR:
+                self._load_failed(key, reason)
+        done = outcomes.count(None)
+        self._task_done(state, done == hi - lo, loaded=done)
 
-    def _load_one(self, key: OffloadKey, block_id: int, nbytes: int | None, bufs: fs_io.IOBuffers) -> bool:
-        io = self.block_io
-        path = self._file(key)
-        try:
-            if io is None or nbytes is None:  # a metadata-only tier: the file must exist
-                if not os.path.exists(path):
-                    raise fs_io.BlockFileError("missing", path)
-            else:
-                slot = io.writable_block(block_id)
-                data = fs_io.read_block_into(path, key, slot, nbytes, bufs, self.o_direct)
-                if data is not None:
-                    io.write_block(block_id, data)
-        except fs_io.BlockFileError as exc:
-            with self._lock:
-                if exc.reason == "length":
-                    self.payload_mismatches += 1
-                if key in self._index and exc.reason != "unverifiable":  # indexed but unreadable
-                    del self._index[key]
-                    self.corrupt_files += 1
-                    self._emit([key], removed=True)
-                    self._delete_file(key)
-            return False
-        except OSError:
-            return False
-        return True
+    def _load_failed(self, key: OffloadKey, reason: str) -> None:
+        """A block file that is not a whole block of ``key``: dropped, with a removal."""
+        with self._lock:
+            if reason == "length":
+                self.payload_mismatches += 1
+            if key in self._index and reason != "unverifiable":  # indexed but unreadable
+                del self._index[key]
+                self.corrupt_files += 1
+                self._emit([key], removed=True)
+                self._delete_file(key)
 
     # -- results and shutdown --------------------------------------------------------
 
@@ -469,6 +459,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                 "payload_mismatches": self.payload_mismatches, "foreign_files": self.foreign_files,
                 "scan_errors": self.scan_errors, "o_direct": self.o_direct, "spread_dirs": self.spread_dirs,
                 "checksum": "crc32c" if self.crc_kind == fs_io.CRC_CRC32C else "crc32",
+                "native_io": isinstance(self._loader, NativeLoader),
             }
 
     def shutdown(self) -> None:
@@ -480,4 +471,5 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
             self._probes.shutdown(wait=True)
         self._loads.shutdown(wait=True)
         self._stores.shutdown(wait=True)
+        self._loader.close()
         self._owner.release()

@@ -11,9 +11,19 @@ offset every ``O_DIRECT`` device accepts::
 
 A load is one ``preadv`` of header page + payload straight into the destination slot (a
 bounce buffer only when ``O_DIRECT`` needs an alignment the slot lacks); the checksum is
-then computed over the slot in place (CRC32C, hardware, ~20 GB/s here, against ~0.8 GB/s for
-zlib's CRC32 — the fallback when neither ``google-crc32c`` nor ``crc32c`` is installed). A
-store is one ``pwritev`` of header page + slot into a temp file, renamed into place.
+then computed over the slot in place. A store is one ``pwritev`` of header page + slot into a
+temp file, renamed into place.
+
+Checksum kinds (each file's header says which): CRC32C, written wherever a fast
+implementation is present — ``google-crc32c``, the ``crc32c`` package, or this project's C
+extension :mod:`manager.tiering._fsio` (SSE4.2, a table where the CPU lacks it) — and zlib's
+CRC32 otherwise. Every process reads both kinds: a CRC32C file where no fast implementation
+exists is verified by a table-driven pure-Python CRC32C (slow, but correct).
+
+:data:`native` is the C extension (None where it was not built): its ``IOPool`` runs the
+load path above — open, ``preadv``, header and checksum checks — on C threads without the
+GIL, one call per job (see ``_fsio.c``); this module's :func:`read_block_into` is the same
+path in Python, and the two must agree on every outcome.
 """
 
 from __future__ import annotations
@@ -39,7 +49,9 @@ __all__ = [
     "IOBuffers",
     "checksum_for",
     "crc32c",
+    "crc32c_python",
     "default_crc_kind",
+    "native",
     "probe_o_direct",
     "read_block_into",
     "read_header",
@@ -62,6 +74,12 @@ CRC_CRC32 = 2
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
+try:
+    from . import _fsio as native  # type: ignore[attr-defined]
+except ImportError:  # not built (no compiler or no zlib.h): the Python path
+    native = None
+
+
 def _load_crc32c() -> Callable[[Any], int] | None:
     try:
         import google_crc32c  # type: ignore[import-not-found]
@@ -80,11 +98,30 @@ def _load_crc32c() -> Callable[[Any], int] | None:
 
         return _c.crc32c  # type: ignore[no-any-return]
     except ImportError:
-        return None
+        pass
+    return native.crc32c if native is not None else None
 
 
-#: CRC32C of a buffer (None: no hardware implementation installed).
+#: CRC32C of a buffer, fast (None: no fast implementation here; files get CRC32).
 crc32c = _load_crc32c()
+
+_CRC32C_TABLE: list[int] = []
+
+
+def crc32c_python(data: Any) -> int:
+    """CRC32C in pure Python, one table lookup per byte (~10 MB/s): only to verify CRC32C
+    files where no fast implementation exists."""
+    table = _CRC32C_TABLE
+    if not table:
+        for i in range(256):
+            c = i
+            for _ in range(8):
+                c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+            table.append(c)
+    c = 0xFFFFFFFF
+    for b in bytes(data):
+        c = (c >> 8) ^ table[(c ^ b) & 0xFF]
+    return c ^ 0xFFFFFFFF
 
 
 def default_crc_kind() -> int:
@@ -92,9 +129,9 @@ def default_crc_kind() -> int:
 
 
 def checksum_for(kind: int) -> Callable[[Any], int] | None:
-    """The checksum function of ``kind``, or None if this process cannot compute it."""
+    """The checksum function of ``kind``, or None for a kind this format does not know."""
     if kind == CRC_CRC32C:
-        return crc32c
+        return crc32c if crc32c is not None else crc32c_python
     if kind == CRC_CRC32:
         return zlib.crc32
     return None
@@ -218,7 +255,7 @@ def read_header(head: Any, key: bytes | None = None) -> tuple[bytes, int, int, i
         raise BlockFileError("header", f"version {version}, key length {klen}")
     fn = checksum_for(kind)
     if fn is None:
-        raise BlockFileError("unverifiable", f"checksum kind {kind} not available here")
+        raise BlockFileError("unverifiable", f"checksum kind {kind} unknown here")
     if fn(head[:end]) != _U32.unpack_from(head, end)[0]:
         raise BlockFileError("header", "header checksum")
     stored = bytes(head[_FIXED.size : end])
