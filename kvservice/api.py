@@ -28,6 +28,10 @@ log = logging.getLogger("kvservice")
 _JSON = "application/json"
 #: routes that answer without a token (liveness and readiness probes)
 OPEN_ROUTES = frozenset({"/healthz", "/readyz"})
+
+
+def _ORDER(s):  # noqa: N802 — the answer's pod order: best total, then lower load, then name
+    return (-s.total, s.load, s.pod)
 API_KEY: web.AppKey = web.AppKey("api", object)
 PROXY_KEY: web.AppKey = web.AppKey("proxy", object)
 
@@ -61,6 +65,7 @@ class Api:
         self.internal_errors = 0
         self.telemetry = None  # kvservice.metrics.Telemetry once the service runs
         self.proxy = None  # kvservice.proxy.Proxy in --proxy mode
+        self.fast_site = None  # kvservice.fasthttp.FastSite when api.fast_path is on
         #: /v1/pods' per-pod entry counts (KVRouter.entries_by_pod, O(index)) are reused while the
         #: router's batches/entries/pods are unchanged, or for at most this many seconds under load
         self.pods_cache_s = 1.0
@@ -144,26 +149,47 @@ class Api:
         return await self.tokenizer.encode(model, req.prompt, req.messages)
 
     # ---- routes ----------------------------------------------------------------------------
+    def _score_answer(self, req: ScoreRequest, model: str, tokens) -> bytes:
+        with self.fleet.lock:
+            scores = self.fleet.router.score(tokens, req.lora_name, model=model, load=req.load)
+        pods = sorted(scores.values(), key=_ORDER)
+        return msgspec.json.encode({
+            "model": model, "prompt_tokens": len(tokens), "pick": pods[0].pod if pods else None,
+            "pods": pods})  # consumers.Score Structs: msgspec encodes them as they are
+
+    def _pick_answer(self, req: ScoreRequest, model: str, tokens) -> bytes:
+        with self.fleet.lock:
+            pod = self.fleet.router.pick(tokens, req.lora_name, model=model, load=req.load)
+        return msgspec.json.encode({"model": model, "pick": pod, "prompt_tokens": len(tokens)})
+
+    def fast_answer(self, route: str, body: bytes) -> bytes | None:
+        """The JSON answer of a hot route for a raw body (kvservice.fasthttp), without awaiting:
+        None when the body needs the tokenizer; an exception for anything that is an error (the
+        caller then hands the request to aiohttp, which answers it with the error JSON)."""
+        req = decode(body, ScoreRequest)
+        if req.prompt is not None or req.messages is not None:
+            return None
+        tokens = token_ids_of(req)
+        if not tokens:
+            return None
+        model = self.model_of(req)
+        if route == "/v1/score":
+            return self._score_answer(req, model, tokens)
+        return self._pick_answer(req, model, tokens)
+
     async def score(self, request: web.Request) -> web.Response:
         req = await self.read_json(request, ScoreRequest)
         token_ids = token_ids_of(req)
         model = self.model_of(req)
         tokens = await self.tokens_of(req, model, token_ids)
-        with self.fleet.lock:
-            scores = self.fleet.router.score(tokens, req.lora_name, model=model, load=req.load)
-        pods = sorted(scores.values(), key=lambda s: (-s.total, s.load, s.pod))
-        return json_response({
-            "model": model, "prompt_tokens": len(tokens), "pick": pods[0].pod if pods else None,
-            "pods": pods})  # consumers.Score Structs: msgspec encodes them as they are
+        return web.Response(body=self._score_answer(req, model, tokens), content_type=_JSON)
 
     async def pick(self, request: web.Request) -> web.Response:
         req = await self.read_json(request, ScoreRequest)
         token_ids = token_ids_of(req)
         model = self.model_of(req)
         tokens = await self.tokens_of(req, model, token_ids)
-        with self.fleet.lock:
-            pod = self.fleet.router.pick(tokens, req.lora_name, model=model, load=req.load)
-        return json_response({"model": model, "pick": pod, "prompt_tokens": len(tokens)})
+        return web.Response(body=self._pick_answer(req, model, tokens), content_type=_JSON)
 
     async def explain(self, request: web.Request) -> web.Response:
         req = await self.read_json(request, ScoreRequest)

@@ -131,7 +131,12 @@ async def serve(cfg: ServiceConfig, stop: asyncio.Event, *, announce=print, flee
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await runner.setup()
         try:
-            site = web.TCPSite(runner, cfg.api.host, cfg.api.port)
+            if cfg.api.fast_path:
+                from .fasthttp import FastSite
+
+                site = api.fast_site = FastSite(runner, api, cfg.api.host, cfg.api.port)
+            else:
+                site = web.TCPSite(runner, cfg.api.host, cfg.api.port)
             try:
                 await site.start()
             except OSError as exc:

@@ -20,6 +20,7 @@ Schema (every section and key optional unless marked; unknown keys are errors)::
     tokenizer = "/models/llama"  # a directory with tokenizer.json (+ tokenizer_config.json)
     upstream_timeout = 60.0      # seconds a pod has to answer a proxied request
     down_for = 10.0              # seconds a failed pod is skipped by the proxy
+    fast_path = true             # POST /v1/score and /v1/pick on the lean HTTP front (kvservice.fasthttp)
 
     [subscriber]
     late_join = true             # replay what each publisher still buffers at start
@@ -88,6 +89,9 @@ class ApiConfig:
     tokenizer: str | None = None
     upstream_timeout: float = 60.0
     down_for: float = 10.0
+    #: answer POST /v1/score and /v1/pick with the lean HTTP/1.1 front (kvservice.fasthttp);
+    #: false: every request goes through aiohttp
+    fast_path: bool = True
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ plus the service's own series, kept as plain ints and rendered here:
 * ``kvservice_proxy_requests_total{pod,outcome}`` / ``kvservice_proxy_retries_total`` /
   ``kvservice_pod_down{pod}`` (proxy mode)
 * ``kvservice_ready``, ``kvservice_internal_errors_total``, ``kvservice_ingest_errors_total``
+* ``kvservice_http_handoffs_total`` — connections the fast path (kvservice.fasthttp) gave to aiohttp
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ def render_service_metrics(api) -> bytes:
     out.append("# HELP kvservice_ingest_errors_total Exceptions caught by the ingest loop (logged)")
     out.append("# TYPE kvservice_ingest_errors_total counter")
     out.append(f"kvservice_ingest_errors_total {fleet.ingest_errors}")
+    site = getattr(api, "fast_site", None)
+    if site is not None:
+        out.append("# HELP kvservice_http_handoffs_total Connections the fast path gave to aiohttp (another route, "
+                   "an error to answer, a prompt to tokenize...)")
+        out.append("# TYPE kvservice_http_handoffs_total counter")
+        out.append(f"kvservice_http_handoffs_total {site.handoffs}")
     proxy = getattr(api, "proxy", None)
     if proxy is not None:
         out.extend(proxy.metric_lines())
