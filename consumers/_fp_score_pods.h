@@ -287,3 +287,5 @@ fail:
     walk_free(&w);
     return result;
 }
+
+#include "_fp_score_json.h"

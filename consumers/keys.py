@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from . import _accel
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "KEY_MASK", "model_seed", "chain_keys", "chain_keys_py", "request_keys",
-           "as_token_list", "json_tokens"]
+           "as_token_list", "json_request", "json_tokens"]
 
 DEFAULT_BLOCK_SIZE = 16
 KEY_MASK = (1 << 60) - 1
@@ -81,6 +81,9 @@ chain_keys = chain_keys_py if _FAST is None else _FAST.chain_keys
 #: a Python int per token, None for anything but ints in [0, 2**32) (then decode it with msgspec,
 #: which names the error). None itself where the C extension is not in use.
 json_tokens = getattr(_FAST, "json_tokens", None)
+#: ``json_request(body) -> (model, lora_name, array('I')) | None``: a score request body of the
+#: common shape read in one pass (consumers/_fp_score_json.h); None: decode it with msgspec
+json_request = getattr(_FAST, "json_request", None)
 
 
 def as_token_list(tokens: object) -> list[int] | tuple[int, ...]:

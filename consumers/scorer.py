@@ -18,6 +18,7 @@ __all__ = ["Scorer"]
 #: the whole answer (walk + per-pod Scores + the pick) in another (_fp_score_pods.h)
 _score_walk = getattr(_FAST, "score_walk", None)
 _score_pods = getattr(_FAST, "score_pods", None)
+_score_json = getattr(_FAST, "score_json", None)
 _DIRECT = (list, tuple, array)
 
 
@@ -82,7 +83,7 @@ class Scorer:
                 out, top = _score_pods(table, toks, model_seed(model, lora_name), self._bs,
                                        self._pods_plan(plan), load)
                 self.index.matched_natively(len(toks) // self._bs)
-                self._count(len(toks), top)
+                self._count(len(toks), None if top is None else top.tokens_by_tier)
                 return out
         toks, n_keys, stages, segments, ends, model, eps = self._walk(tokens, lora_name, model)
         C = self._bs
@@ -119,16 +120,38 @@ class Scorer:
                 out[pod] = s = Score(pod, total, by_tier, end * C, ep.rank, state, factor, pod_load)
                 if better(s, top):
                     top = s
-        self._count(len(toks), top)
+        self._count(len(toks), None if top is None else top.tokens_by_tier)
         return out
 
-    def _count(self, prompt_tokens: int, top: Score | None) -> None:
+    def score_json(self, tokens: object, lora_name: str | None = None, *, model: str | None = None) -> bytes | None:
+        """The service's ``/v1/score`` answer as JSON bytes — ``{"model", "prompt_tokens", "pick",
+        "pods"}``, the pods' Scores sorted by (-total, load, pod) — in one C call
+        (``consumers/_fp_score_json.h``), counted like :meth:`score`; no load (every pod's 0.0).
+        None where that call cannot run (no C extension, not the native index, a plan it does
+        not know): the caller then takes :meth:`score` and encodes its Scores."""
+        if _score_json is None:
+            return None
+        toks = tokens if type(tokens) in _DIRECT else as_token_list(tokens)
+        model = self.eps.model_for_query(model)
+        plan = self.eps.plan(model)
+        table = self._table(plan[1])
+        if table is None:
+            return None
+        res = _score_json(table, toks, model_seed(model, lora_name), self._bs, self._pods_plan(plan), model)
+        if res is None:
+            return None
+        self.index.matched_natively(len(toks) // self._bs)
+        self._count(len(toks), res[1])
+        return res[0]
+
+    def _count(self, prompt_tokens: int, top_tiers: dict[str, int] | None) -> None:
+        """The lookup counters: one lookup, its tokens, and the pick's matched tokens by tier."""
         stats = self._stats
         stats.lookups += 1
         stats.prompt_tokens += prompt_tokens
-        if top is not None:
+        if top_tiers is not None:
             matched = stats.matched_tokens
-            for tier, n in top.tokens_by_tier.items():
+            for tier, n in top_tiers.items():
                 matched[tier] = matched.get(tier, 0) + n
 
     def pick(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,

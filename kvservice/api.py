@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
+from consumers.keys import json_request
 from kvevents.errors import ConfigError, KVEventsError
 
 from .ingest import Fleet
@@ -116,8 +117,11 @@ class Api:
         return decode(await request.read(), kind)
 
     def model_of(self, req) -> str:
+        return self.model_named(req.model)
+
+    def model_named(self, model: str | None) -> str:
+        """The model a request asks for (None: the fleet's only one); ApiError 400/404 otherwise."""
         models = self.fleet.models
-        model = req.model
         if model is None:
             if len(models) == 1:
                 return next(iter(models))
@@ -165,17 +169,34 @@ class Api:
     def fast_answer(self, route: str, body: bytes) -> bytes | None:
         """The JSON answer of a hot route for a raw body (kvservice.fasthttp), without awaiting:
         None when the body needs the tokenizer; an exception for anything that is an error (the
-        caller then hands the request to aiohttp, which answers it with the error JSON)."""
-        req = decode(body, ScoreRequest)
-        if req.prompt is not None or req.messages is not None:
-            return None
-        tokens = token_ids_of(req)
-        if not tokens:
-            return None
-        model = self.model_of(req)
-        if route == "/v1/score":
-            return self._score_answer(req, model, tokens)
-        return self._pick_answer(req, model, tokens)
+        caller then hands the request to aiohttp, which answers it with the error JSON).
+
+        A body of the common shape (model, lora_name, token_ids) is read in one C pass
+        (``json_request``) and, for /v1/score, answered by one C call that writes the JSON
+        (``Scorer.score_json``); anything else takes msgspec's typed decode and the Scores'
+        encoding, as the aiohttp route does."""
+        got = json_request(body) if json_request is not None else None
+        if got is None:
+            req = decode(body, ScoreRequest)
+            if req.prompt is not None or req.messages is not None:
+                return None
+            tokens = token_ids_of(req)
+            if not tokens:
+                return None
+        else:
+            req = ScoreRequest(model=got[0], lora_name=got[1])
+            tokens = got[2]
+        model = self.model_named(req.model)
+        if route != "/v1/score":
+            return self._pick_answer(req, model, tokens)
+        if req.load is None:
+            score_json = getattr(self.fleet.router.scorer, "score_json", None)  # absent on a traced scorer
+            if score_json is not None:
+                with self.fleet.lock:
+                    out = score_json(tokens, req.lora_name, model=model)
+                if out is not None:
+                    return out
+        return self._score_answer(req, model, tokens)
 
     async def score(self, request: web.Request) -> web.Response:
         req = await self.read_json(request, ScoreRequest)

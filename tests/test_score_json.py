@@ -1,0 +1,119 @@
+"""The service's hot route in C (consumers/_fp_score_json.h) gives the Python route's answers.
+
+* ``Scorer.score_json`` (walk + per-pod Scores + sort + JSON in one C call) against
+  ``KVRouter.score`` + the API's sort + msgspec's encoding: the same bytes (floats included),
+  and the same counters;
+* ``json_request`` (the body reader) against msgspec's ``ScoreRequest`` + ``token_ids_of``:
+  where it answers, the same model, lora_name and token ids; where msgspec refuses a body, it
+  answers None (so msgspec's error, naming the field, is what the client gets).
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from consumers import KVRouter, RouterConfig
+from consumers.keys import _FAST, json_request
+from kvevents import BlockRemoved, BlockStored, KVEventBatch
+from kvservice.schema import ApiError, ScoreRequest, decode, token_ids_of
+
+pytestmark = pytest.mark.skipif(_FAST is None or not hasattr(_FAST, "score_json"),
+                                reason="the C extension is not in use")
+
+PODS = ["pod0", 'po"d1', "pöd2", "p\\od3", "pod4", "a"]  # quotes, backslashes, UTF-8 in names
+
+
+def _answer(router: KVRouter, prompt, model: str = "m") -> bytes:
+    """What the API's aiohttp route writes (kvservice.api.Api._score_answer)."""
+    scores = router.score(prompt, None, model=model)
+    pods = sorted(scores.values(), key=lambda s: (-s.total, s.load, s.pod))
+    return msgspec.json.encode({"model": model, "prompt_tokens": len(prompt), "pick": pods[0].pod if pods else None,
+                                "pods": pods})
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_score_json_writes_what_score_and_msgspec_write(data):
+    kw = {"load_weight": data.draw(st.sampled_from([0.0, 0, 0.5, 2])),
+          "tier_weights": {"GPU": data.draw(st.sampled_from([1.0, 1, 0.3])), "CPU": data.draw(st.sampled_from([0.5, 2]))},
+          "state_factors": {"SYNCED": data.draw(st.sampled_from([1.0, 0.7]))}}
+    routers = [KVRouter(RouterConfig(model="m", index="native", block_size=4, **kw)) for _ in range(2)]
+    docs = [data.draw(st.lists(st.integers(0, 50), min_size=4, max_size=40)) for _ in range(3)]
+    hashes = [[(d * 1000 + i) * 7919 + 1 for i in range(len(doc) // 4)] for d, doc in enumerate(docs)]
+    for _ in range(data.draw(st.integers(0, 12))):
+        name, rank = data.draw(st.sampled_from(PODS)), data.draw(st.integers(0, 1))
+        d = data.draw(st.integers(0, 2))
+        n = data.draw(st.integers(1, max(1, len(hashes[d]))))
+        kind = data.draw(st.sampled_from(["gpu", "cpu", "remove"]))
+        if kind == "gpu":
+            ev = BlockStored(hashes[d][:n], None, docs[d][: n * 4], 4, None, "GPU", None)
+        elif kind == "cpu":
+            ev = BlockStored(hashes[d][:n], None, [], 0, None, "CPU", None)
+        else:
+            ev = BlockRemoved(hashes[d][n - 1:n], data.draw(st.sampled_from(["GPU", "CPU"])))
+        for r in routers:
+            r.apply(name, KVEventBatch(0.0, [ev], rank))
+    prompt = data.draw(st.sampled_from(docs))[: data.draw(st.integers(0, 40))] + data.draw(
+        st.lists(st.integers(0, 50), max_size=8))
+    got = routers[0].scorer.score_json(prompt, None, model="m")
+    want = _answer(routers[1], prompt)
+    assert got == want
+    assert json.loads(got)["pick"] == routers[1].pick(prompt)
+    s0, s1 = routers[0].stats, routers[1].stats  # routers[1]: score() and pick(), one lookup each
+    routers[0].score(prompt)  # now one score_json and one score(): the same counters
+    assert (s0.lookups, s0.prompt_tokens, s0.matched_tokens) == (s1.lookups, s1.prompt_tokens, s1.matched_tokens)
+
+
+def test_score_json_leaves_what_it_does_not_know_to_the_python_path():
+    r = KVRouter(RouterConfig(model="m", index="native", block_size=4, state_factors={"SYNCED": 1}))  # an int
+    r.apply("a", KVEventBatch(0.0, [BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None)], 0))
+    assert r.scorer.score_json([1, 2, 3, 4], None, model="m") is None
+    assert r.score([1, 2, 3, 4])["a"].factor == 1
+    py = KVRouter(RouterConfig(model="m", index="python", block_size=4))
+    assert py.scorer.score_json([1, 2, 3, 4], None, model="m") is None
+
+
+def _msgspec_reads(body: bytes):
+    """(model, lora_name, token ids) as the msgspec route reads them, or None where it refuses
+    or would take another path (prompt/messages/load)."""
+    try:
+        req = decode(body, ScoreRequest)
+        toks = token_ids_of(req)
+    except ApiError:
+        return None
+    if req.prompt is not None or req.messages is not None or req.load is not None or not toks:
+        return None
+    return req.model, req.lora_name, list(toks)
+
+
+NAME = st.one_of(st.none(), st.text(max_size=6), st.sampled_from(["m", "a\\b", 'q"', "é", "\x01"]))
+TOKENS = st.lists(st.one_of(st.integers(0, 9), st.integers(0, 2**32 - 1), st.integers(-3, 2**33)), max_size=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(fields=st.dictionaries(st.sampled_from(["model", "lora_name", "token_ids", "prompt", "load", "extra"]),
+                              st.one_of(NAME, TOKENS), max_size=4),
+       seps=st.sampled_from([(",", ":"), (", ", ": "), (" ,\n", " :\t")]), pad=st.sampled_from(["", " ", "\n"]),
+       ascii_=st.booleans())
+def test_json_request_reads_what_msgspec_reads(fields, seps, pad, ascii_):
+    body = (pad + json.dumps(fields, separators=seps, ensure_ascii=ascii_) + pad).encode()
+    got = json_request(body)
+    want = _msgspec_reads(body)
+    if got is not None:
+        assert want is not None and (got[0], got[1], list(got[2])) == want
+    elif want is not None:  # refused: only for text it does not read itself (escapes, other keys)
+        assert b"\\" in body or set(fields) - {"model", "lora_name", "token_ids"}
+
+
+@pytest.mark.parametrize("body", [b'{"token_ids":[01]}', b'{"token_ids":[]}', b'{"token_ids":[1],"token_ids":[2]}',
+                                  b'{"token_ids":[1]} x', b'{"token_ids":[1.0]}', b'{"token_ids":[-1]}',
+                                  b'{"token_ids":[1,]}', b'{"token_ids":[4294967296]}', b'{"model":"\xff",'
+                                  b'"token_ids":[1]}', b'{"model":1,"token_ids":[1]}', b'{"token_ids":null}',
+                                  b'[1]', b'', b'{"token_ids":[1]', b'{"model":"a\nb","token_ids":[1]}'])
+def test_json_request_leaves_everything_else_to_msgspec(body):
+    assert json_request(body) is None
