@@ -21,7 +21,7 @@ setup(
         Extension(
             "manager.tiering._fsio",
             sources=["manager/tiering/_fsio.c"],
-            depends=["manager/tiering/_fsio_crc.h"],
+            depends=["manager/tiering/_fsio_block.h", "manager/tiering/_fsio_crc.h"],
             libraries=["z"],
             optional=True,
             extra_compile_args=["-O2", "-Wall"],

@@ -95,10 +95,11 @@ def test_torn_and_corrupt_files_are_misses(tmp_path: Path) -> None:
 
 
 def test_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A write that dies after part of the data leaves no visible block and no temp file."""
+    """A write that dies after part of the data leaves no visible block and no temp file.
+    (The Python store path: the failure is injected into its os.replace; both paths below.)"""
     io = NumpyBlockIO.allocate(2, BLOCK)
     fill(io, 0, 7)
-    t = tier_at(tmp_path, io)
+    t = tier_at(tmp_path, io, native_io=False)
     import manager.tiering.fs as fsmod
 
     real_replace = fsmod.os.replace
@@ -112,6 +113,31 @@ def test_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.parent.name != ".owners"]
     monkeypatch.setattr(fsmod.os, "replace", real_replace)
     assert run(t, JobMetadata(2, [K(1)], ids(0), False)).success
+    t.shutdown()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "c"])
+def test_a_failed_rename_leaves_nothing(tmp_path: Path, native: bool) -> None:
+    """The rename into place fails (the block's name is taken by a directory): no visible
+    block, no temp file, the job fails, the key is not claimed; once the name is free the
+    same store succeeds. On both store paths (the C one renames in C)."""
+    from manager.tiering import fs_io
+
+    if native and fs_io.native is None:
+        pytest.skip("the C extension manager.tiering._fsio is not built")
+    io = NumpyBlockIO.allocate(2, BLOCK)
+    data = fill(io, 0, 7)
+    t = tier_at(tmp_path, io, native_io=native)
+    t._path(K(1)).parent.mkdir(parents=True, exist_ok=True)
+    t._path(K(1)).mkdir()
+    assert run(t, JobMetadata(1, [K(1)], ids(0), False)) == JobResult(1, False)
+    assert t.store_errors == 1 and t.lookup(K(1)) is LookupResult.MISS and t.take_events() == []
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.parent.name != ".owners"]
+    t._path(K(1)).rmdir()
+    assert run(t, JobMetadata(2, [K(1)], ids(0), False)).success
+    io.array[:] = 0
+    assert run(t, JobMetadata(3, [K(1)], ids(1), True), load=True).success
+    assert bytes(io.read_block(1)) == data
     t.shutdown()
 
 

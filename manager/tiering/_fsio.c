@@ -1,4 +1,5 @@
-/* manager.tiering._fsio: the fs tier's load path in C, without the GIL (optional extension).
+/* manager.tiering._fsio: the fs tier's load and store paths in C, without the GIL (optional
+ * extension).
  *
  * Measured before it existed (issue 14): a bare Python loop of two-iovec O_DIRECT preadv read
  * the tier's own files at 0.69-0.82 GB/s while the tier, driving the same reads from 64 Python
@@ -12,51 +13,27 @@
  *   the payload (CRC32C: SSE4.2 or table; CRC32: zlib) -> close
  *
  * and the call returns one status per block: 0 ok, 1..8 the reasons of
- * manager.tiering.fs_io.BlockFileError (REASONS[status]), or -errno for an OSError. The file
- * format is fs_io.py's (the two must agree; tests read each side's files with the other).
+ * manager.tiering.fs_io.BlockFileError (REASONS[status]), or -errno for an OSError. Stores
+ * the same way: header + payload in one pwritev to a temp file, fdatasync on request, rename
+ * (_fsio_block.h). The file format is fs_io.py's (the two must agree; tests read each side's
+ * files with the other).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <errno.h>
-#include <fcntl.h>
 #include <pthread.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/uio.h>
-#include <unistd.h>
-#include <zlib.h>
 
-#include "_fsio_crc.h"
+#include "_fsio_block.h"
 
-#define HEADER_SIZE 4096
-#define ALIGN 4096
-#define FIXED 24
-#define MAX_KEY (HEADER_SIZE - FIXED - 4)
-#define VERSION 2
-#define CRC_CRC32C 1
-#define CRC_CRC32 2
-#ifndef O_DIRECT
-#define O_DIRECT 0
-#endif
-
-enum { ST_OK, ST_MISSING, ST_SHORT, ST_MAGIC, ST_HEADER, ST_KEY, ST_LENGTH, ST_CHECKSUM, ST_UNVERIFIABLE };
 static const char *const REASONS[] = {"ok", "missing", "short", "magic", "header", "key", "length", "checksum",
                                       "unverifiable"};
 
-typedef struct {
-    const char *path;
-    unsigned char *slot;
-    const unsigned char *key;
-    size_t klen;
-    int status;
-} kv_item;
+enum { OP_LOAD, OP_STORE };
 
 typedef struct kv_batch {
     kv_item *items;
     size_t n, next, left, nbytes;
-    int direct;
+    int op, direct, kind, sync;
     pthread_cond_t done; /* signalled when left reaches 0 (one waiter: the caller) */
     struct kv_batch *qnext;
 } kv_batch;
@@ -71,66 +48,10 @@ typedef struct {
     pid_t pid;
 } IOPool;
 
-static uint32_t be32(const unsigned char *p) {
-    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
-}
-
-static uint64_t be64(const unsigned char *p) { return ((uint64_t)be32(p) << 32) | be32(p + 4); }
-
-static uint32_t checksum(int kind, const unsigned char *p, size_t n) {
-    if (kind == CRC_CRC32C) return kv_crc32c(0, p, n);
-    return (uint32_t)crc32_z(0L, p, (z_size_t)n);
-}
-
-/* One block: the status (see the top). `head` is this worker's aligned header page; `bounce`
- * its aligned bounce buffer (grown on demand). */
-static int load_one(const kv_item *it, size_t nbytes, int direct, unsigned char *head, unsigned char **bounce,
-                    size_t *bsize) {
-    unsigned char *dest = it->slot;
-    /* O_DIRECT and a slot it cannot take as it is: through the bounce buffer (copied into the
-     * slot only once every check passed), buffered where the length is not a page multiple
-     * (it cannot be padded) -- as fs_io.read_block_into does */
-    if (direct && (nbytes % ALIGN || (uintptr_t)dest % ALIGN)) {
-        if (nbytes % ALIGN) direct = 0;
-        if (*bsize < nbytes) {
-            void *b = NULL;
-            if (posix_memalign(&b, ALIGN, nbytes ? nbytes : ALIGN)) return -ENOMEM;
-            free(*bounce);
-            *bounce = b;
-            *bsize = nbytes;
-        }
-        dest = *bounce;
-    }
-    int fd = open(it->path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | (direct ? O_DIRECT : 0));
-    if (fd < 0) return errno == ENOENT ? ST_MISSING : -errno;
-    struct iovec iov[2] = {{head, HEADER_SIZE}, {dest, nbytes}};
-    ssize_t got;
-    do got = preadv(fd, iov, 2, 0);
-    while (got < 0 && errno == EINTR);
-    int err = errno;
-    close(fd);
-    if (got < 0) return -err;
-    if (got < HEADER_SIZE) return ST_SHORT;
-    if (memcmp(head, "KVB2", 4) != 0) return ST_MAGIC;
-    int kind = head[5];
-    uint64_t length = be64(head + 8);
-    uint32_t crc = be32(head + 16), klen = be32(head + 20);
-    if (head[4] != VERSION || klen > MAX_KEY) return ST_HEADER;
-    if (kind != CRC_CRC32C && kind != CRC_CRC32) return ST_UNVERIFIABLE;
-    if (checksum(kind, head, FIXED + klen) != be32(head + FIXED + klen)) return ST_HEADER;
-    if (klen != it->klen || memcmp(head + FIXED, it->key, klen) != 0) return ST_KEY;
-    if (length != nbytes) return ST_LENGTH;
-    if ((size_t)got != HEADER_SIZE + nbytes) return ST_SHORT;
-    if (checksum(kind, dest, nbytes) != crc) return ST_CHECKSUM;
-    if (dest != it->slot) memcpy(it->slot, dest, nbytes);
-    return ST_OK;
-}
-
 static void *worker(void *arg) {
     IOPool *p = (IOPool *)arg;
-    unsigned char *head = NULL, *bounce = NULL;
-    size_t bsize = 0;
-    if (posix_memalign((void **)&head, ALIGN, HEADER_SIZE)) head = NULL;
+    kv_bufs bufs = {NULL, NULL, 0};
+    if (posix_memalign((void **)&bufs.head, ALIGN, HEADER_SIZE)) bufs.head = NULL;
     pthread_mutex_lock(&p->mu);
     for (;;) {
         while (!p->head && !p->closing) pthread_cond_wait(&p->work, &p->mu);
@@ -142,13 +63,15 @@ static void *worker(void *arg) {
             if (!p->head) p->tail = NULL;
         }
         pthread_mutex_unlock(&p->mu);
-        it->status = head ? load_one(it, b->nbytes, b->direct, head, &bounce, &bsize) : -ENOMEM;
+        if (!bufs.head) it->status = -ENOMEM;
+        else if (b->op == OP_LOAD) it->status = load_one(it, b->nbytes, b->direct, &bufs);
+        else it->status = store_one(it, b->nbytes, b->direct, b->kind, b->sync, &bufs);
         pthread_mutex_lock(&p->mu);
         if (--b->left == 0) pthread_cond_signal(&b->done);
     }
     pthread_mutex_unlock(&p->mu);
-    free(head);
-    free(bounce);
+    free(bufs.head);
+    free(bufs.bounce);
     return NULL;
 }
 
@@ -240,76 +163,82 @@ static void pool_dealloc(IOPool *self) {
 }
 
 typedef struct {
-    PyObject *path;
+    PyObject *path, *tmp;
     Py_buffer slot, key;
 } kv_hold;
 
 static void release_holds(kv_hold *h, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_XDECREF(h[i].path);
+        Py_XDECREF(h[i].tmp);
         if (h[i].slot.obj) PyBuffer_Release(&h[i].slot);
         if (h[i].key.obj) PyBuffer_Release(&h[i].key);
     }
     free(h);
 }
 
-PyDoc_STRVAR(pool_load_doc,
-             "load(items, nbytes, direct) -> list[int]\n\n"
-             "Read and check each item's block file into its slot; items are (path, slot, key) with\n"
-             "slot a writable contiguous buffer of nbytes bytes. One status per item, in order: 0 ok,\n"
-             "REASONS[s] for a damaged or missing file, -errno for an OSError. The GIL is released\n"
-             "while the pool's threads work; a slot whose status is not 0 holds garbage.");
+/* (GIL held) Run batch `b` on the pool's threads and wait for it, the GIL released. */
+static int pool_run(IOPool *p, kv_batch *b) {
+    if (!b->n) return 0;
+    if (pool_start(p) < 0) return -1;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_cond_init(&b->done, NULL);
+    pthread_mutex_lock(&p->mu);
+    if (p->tail) p->tail->qnext = b;
+    else p->head = b;
+    p->tail = b;
+    pthread_cond_broadcast(&p->work);
+    while (b->left) pthread_cond_wait(&b->done, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+    pthread_cond_destroy(&b->done);
+    Py_END_ALLOW_THREADS
+    return 0;
+}
 
-static PyObject *pool_load(IOPool *self, PyObject *args) {
-    PyObject *items;
-    Py_ssize_t nbytes;
-    int direct;
-    if (!PyArg_ParseTuple(args, "Onp", &items, &nbytes, &direct)) return NULL;
-    if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", nbytes);
-    PyObject *seq = PySequence_Fast(items, "items must be a sequence of (path, slot, key)");
+/* load: items (path, slot, key); store: items (tmp, path, slot, key). Fills b and h, runs the
+ * batch, returns the statuses as a list. */
+static PyObject *pool_call(IOPool *self, PyObject *items, kv_batch *b) {
+    int store = b->op == OP_STORE, width = store ? 4 : 3;
+    PyObject *seq = PySequence_Fast(items, "items must be a sequence of tuples");
     if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = 0;
     kv_hold *h = (kv_hold *)calloc((size_t)(n ? n : 1), sizeof(kv_hold));
     kv_item *it = (kv_item *)calloc((size_t)(n ? n : 1), sizeof(kv_item));
     PyObject *out = NULL;
-    Py_ssize_t i = 0;
     if (!h || !it) {
         PyErr_NoMemory();
         goto done;
     }
     for (; i < n; i++) {
         PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) {
-            PyErr_Format(PyExc_TypeError, "items[%zd] must be a (path, slot, key) tuple", i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != width) {
+            PyErr_Format(PyExc_TypeError, "items[%zd] must be a %s tuple", i,
+                         store ? "(tmp, path, slot, key)" : "(path, slot, key)");
             goto done;
         }
-        if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(t, 0), &h[i].path)) goto done;
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(t, 1), &h[i].slot, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
-        if (h[i].slot.len != nbytes) {
-            PyErr_Format(PyExc_ValueError, "items[%zd]: slot of %zd bytes, blocks are %zd", i, h[i].slot.len, nbytes);
+        if (store && !PyUnicode_FSConverter(PyTuple_GET_ITEM(t, 0), &h[i].tmp)) goto done;
+        if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(t, store), &h[i].path)) goto done;
+        int flags = store ? PyBUF_C_CONTIGUOUS : PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(t, store + 1), &h[i].slot, flags) < 0) goto done;
+        if ((size_t)h[i].slot.len != b->nbytes) {
+            PyErr_Format(PyExc_ValueError, "items[%zd]: slot of %zd bytes, blocks are %zu", i, h[i].slot.len, b->nbytes);
             goto done;
         }
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(t, 2), &h[i].key, PyBUF_SIMPLE) < 0) goto done;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(t, store + 2), &h[i].key, PyBUF_SIMPLE) < 0) goto done;
+        if (store && h[i].key.len > MAX_KEY) {
+            PyErr_Format(PyExc_ValueError, "items[%zd]: key of %zd bytes does not fit the header (%d max)", i,
+                         h[i].key.len, MAX_KEY);
+            goto done;
+        }
+        it[i].tmp = store ? PyBytes_AS_STRING(h[i].tmp) : NULL;
         it[i].path = PyBytes_AS_STRING(h[i].path);
-        it[i].slot = (unsigned char *)h[i].slot.buf;
+        it[i].slot = (unsigned char *)h[i].slot.buf; /* (a store only reads it) */
         it[i].key = (const unsigned char *)h[i].key.buf;
         it[i].klen = (size_t)h[i].key.len;
     }
-    if (n && pool_start(self) < 0) goto done;
-    if (n) {
-        kv_batch b = {it, (size_t)n, 0, (size_t)n, (size_t)nbytes, direct, PTHREAD_COND_INITIALIZER, NULL};
-        IOPool *p = self;
-        Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&p->mu);
-        if (p->tail) p->tail->qnext = &b;
-        else p->head = &b;
-        p->tail = &b;
-        pthread_cond_broadcast(&p->work);
-        while (b.left) pthread_cond_wait(&b.done, &p->mu);
-        pthread_mutex_unlock(&p->mu);
-        pthread_cond_destroy(&b.done);
-        Py_END_ALLOW_THREADS
-    }
+    b->items = it;
+    b->n = b->left = (size_t)n;
+    if (pool_run(self, b) < 0) goto done;
     out = PyList_New(n);
     if (!out) goto done;
     for (Py_ssize_t j = 0; j < n; j++) {
@@ -327,10 +256,46 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(pool_load_doc,
+             "load(items, nbytes, direct) -> list[int]\n\n"
+             "Read and check each item's block file into its slot; items are (path, slot, key) with\n"
+             "slot a writable contiguous buffer of nbytes bytes. One status per item, in order: 0 ok,\n"
+             "REASONS[s] for a damaged or missing file, -errno for an OSError. The GIL is released\n"
+             "while the pool's threads work; a slot whose status is not 0 holds garbage.");
+
+static PyObject *pool_load(IOPool *self, PyObject *args) {
+    PyObject *items;
+    Py_ssize_t nbytes;
+    int direct;
+    if (!PyArg_ParseTuple(args, "Onp", &items, &nbytes, &direct)) return NULL;
+    if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", nbytes);
+    kv_batch b = {NULL, 0, 0, 0, (size_t)nbytes, OP_LOAD, direct, 0, 0};
+    return pool_call(self, items, &b);
+}
+
+PyDoc_STRVAR(pool_store_doc,
+             "store(items, nbytes, direct, kind, sync) -> list[int]\n\n"
+             "Write each item's slot as a block file; items are (tmp, path, slot, key): header page +\n"
+             "payload in one pwritev to tmp (created, O_EXCL), fdatasync'ed if sync, renamed to path.\n"
+             "kind: the checksum (1 CRC32C, 2 CRC32). One status per item: 0 ok or -errno (then no\n"
+             "temp file is left). The GIL is released while the pool's threads work.");
+
+static PyObject *pool_store(IOPool *self, PyObject *args) {
+    PyObject *items;
+    Py_ssize_t nbytes;
+    int direct, kind, sync;
+    if (!PyArg_ParseTuple(args, "Onpip", &items, &nbytes, &direct, &kind, &sync)) return NULL;
+    if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", nbytes);
+    if (kind != CRC_CRC32C && kind != CRC_CRC32) return PyErr_Format(PyExc_ValueError, "unknown checksum kind %d", kind);
+    kv_batch b = {NULL, 0, 0, 0, (size_t)nbytes, OP_STORE, direct, kind, sync};
+    return pool_call(self, items, &b);
+}
+
 static PyObject *pool_threads(IOPool *self, void *closure) { return PyLong_FromLong(self->nthreads); }
 
 static PyMethodDef pool_methods[] = {
     {"load", (PyCFunction)pool_load, METH_VARARGS, pool_load_doc},
+    {"store", (PyCFunction)pool_store, METH_VARARGS, pool_store_doc},
     {"close", (PyCFunction)pool_close, METH_NOARGS, "Stop the threads (after the queued work). Idempotent."},
     {NULL, NULL, 0, NULL},
 };

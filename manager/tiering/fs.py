@@ -49,7 +49,7 @@ from kvevents.errors import ConfigError
 from ..base import LookupResult, OffloadKey, OffloadPolicy, ReqContext, RequestOffloadingContext
 from . import fs_io
 from .base import JobMetadata, JobResult, SecondaryTierManager
-from .fs_load import OS_ERROR, Loader, NativeLoader, PythonLoader
+from .fs_rw import OS_ERROR, BlockFilesIO, NativeFilesIO, PythonFilesIO
 from .fs_scan import SUFFIX, OwnerLock, probe_block_file, scan_root
 
 __all__ = ["FileSystemSecondaryTierManager"]
@@ -117,7 +117,6 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self.load_threads, self.store_threads = load_threads, store_threads
         self.o_direct = fs_io.probe_o_direct(self._root) if o_direct is None else bool(o_direct)
         self.crc_kind = fs_io.default_crc_kind()
-        self._bufs = fs_io.IOBuffers()  # (per thread: the store threads')
         self._lock = threading.Condition()
         self._index: OrderedDict[OffloadKey, None] = OrderedDict()  # committed keys, LRU first
         self._writing: set[OffloadKey] = set()
@@ -135,7 +134,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self._stores = ThreadPoolExecutor(store_threads, thread_name_prefix=f"kv-{tier_type}-store")
         self._probes = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{tier_type}-lookup") if shared_root else None
         native = fs_io.native is not None if native_io is None else native_io
-        self._loader: Loader = (NativeLoader if native else PythonLoader)(load_threads, self.o_direct)
+        self._rw: BlockFilesIO = (NativeFilesIO if native else PythonFilesIO)(self.o_direct, load_threads, store_threads)
         # Counters.
         self.stores = 0
         self.loads = 0
@@ -266,13 +265,13 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
     def submit_store(self, job: JobMetadata) -> None:
         with self._lock:
             self._backlog += len(job.keys)
-        self._submit(self._stores, self.store_threads, self._store_task, job)
+        self._submit(self._stores, self._rw.store_tasks, self._store_task, job)
 
     def submit_load(self, job: JobMetadata) -> None:
         with self._lock:
             for key in job.keys:
                 self._reading[key] = self._reading.get(key, 0) + 1
-        self._submit(self._loads, self._loader.tasks_per_job, self._load_task, job)
+        self._submit(self._loads, self._rw.load_tasks, self._load_task, job)
 
     def _submit(self, pool: ThreadPoolExecutor, threads: int, fn: Any, job: JobMetadata) -> None:
         n = len(job.keys)
@@ -358,33 +357,39 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
 
     def _store_task(self, state: _JobState, lo: int, hi: int) -> None:
         job, ok = state.job, True
-        io, bufs = self.block_io, self._bufs
+        io = self.block_io
         written: list[OffloadKey] = []
         dirs: set[str] = set()
         durable = True
+        todo: list[tuple[OffloadKey, int]] = []
         try:
-            todo = []
             with self._lock:  # claim the task's keys at once (one lock round, not one per block)
                 for key, block_id in zip(job.keys[lo:hi], job.block_ids[lo:hi].tolist()):
                     if key in self._index or key in self._writing or key in self._deleting:
                         continue  # stored, being stored, or its old file not yet unlinked
                     self._writing.add(key)
                     todo.append((key, block_id))
+            items, failed = [], []
             for key, block_id in todo:
+                path = self._file(key)
                 try:
-                    payload = io.read_block(block_id) if io is not None else b""
-                    path = self._file(key)
                     self._fanout_dir(key)
-                    tmp = f"{path}.{self._token}.{next(self._tmp_ids)}.tmp"
-                    fs_io.write_block_file(tmp, path, key, payload, bufs, self.o_direct, self.crc_kind, self.fsync)
+                except OSError:
+                    failed.append(key)
+                    continue
+                items.append((f"{path}.{self._token}.{next(self._tmp_ids)}.tmp", path, key, block_id))
+            for (_tmp, path, key, _b), good in zip(items, self._rw.store(items, io, self.crc_kind, self.fsync)):
+                if good:
                     written.append(key)
                     if self.fsync:
                         dirs.add(os.path.dirname(path))
-                except Exception:
-                    ok = False
-                    with self._lock:
-                        self._writing.discard(key)
-                        self.store_errors += 1
+                else:
+                    failed.append(key)
+            if failed:
+                ok = False
+                with self._lock:
+                    self._writing.difference_update(failed)
+                    self.store_errors += len(failed)
             durable = False
             for d in dirs:  # the renames themselves, durable before success is reported
                 fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -397,6 +402,8 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
             ok = False
             with self._lock:
                 self.store_errors += 1
+                done = set(written)  # (claimed keys neither written nor released yet: released)
+                self._writing.difference_update([k for k, _ in todo if k not in done])
         finally:
             with self._lock:
                 if durable:
@@ -412,7 +419,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         keys = job.keys[lo:hi]
         try:
             items = [(self._file(k), k, b) for k, b in zip(keys, job.block_ids[lo:hi].tolist())]
-            outcomes = self._loader.load(items, self.block_io, lambda: not state.ok)
+            outcomes = self._rw.load(items, self.block_io, lambda: not state.ok)
         except Exception:
             outcomes = []
         for key, reason in zip(keys, outcomes):
@@ -459,7 +466,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                 "payload_mismatches": self.payload_mismatches, "foreign_files": self.foreign_files,
                 "scan_errors": self.scan_errors, "o_direct": self.o_direct, "spread_dirs": self.spread_dirs,
                 "checksum": "crc32c" if self.crc_kind == fs_io.CRC_CRC32C else "crc32",
-                "native_io": isinstance(self._loader, NativeLoader),
+                "native_io": isinstance(self._rw, NativeFilesIO),
             }
 
     def shutdown(self) -> None:
@@ -471,5 +478,5 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
             self._probes.shutdown(wait=True)
         self._loads.shutdown(wait=True)
         self._stores.shutdown(wait=True)
-        self._loader.close()
+        self._rw.close()
         self._owner.release()
