@@ -17,16 +17,21 @@ NATS_SERVER = shutil.which("nats-server") or ("/usr/sbin/nats-server" if Path("/
 
 
 class NatsServer:
-    def __init__(self, store: Path) -> None:
+    def __init__(self, store: Path, config: str | None = None) -> None:
         self.store = store
+        self.config = config  #: nats-server configuration text (e.g. ``max_pending: 1048576``), if any
         self.port = free_tcp_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.log = store.parent / f"nats-{self.port}.log"
 
     def start(self, deadline: float = 15.0) -> None:
-        self.proc = subprocess.Popen([NATS_SERVER, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store)],
-                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
+        args = [NATS_SERVER, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store)]
+        if self.config is not None:
+            conf = self.store.parent / f"nats-{self.port}.conf"
+            conf.write_text(self.config)
+            args += ["-c", str(conf)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
         end = time.monotonic() + deadline
         while time.monotonic() < end:  # ready once it accepts a connection and answers PING
             if self.proc.poll() is not None:

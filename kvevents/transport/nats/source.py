@@ -7,9 +7,14 @@ reads everything the stream still holds from ``start_seq`` (a snapshot's covered
 
 Flow: nats-py runs on a dedicated thread; a pull task keeps pull requests of ``fetch_batch``
 messages outstanding and every message goes into a queue as it arrives, bounded by
-``max_queued`` messages (queued plus requested: when it is full no new request goes out —
-counted in ``stats()['queue_full_waits']`` — and the server holds the rest: the consumer's
-``max_ack_pending`` is the in-flight window). ``poll()`` hands the caller what is queued. The
+``max_queued`` messages and ``max_queued_bytes`` bytes (queued plus requested: when it is full
+no new request goes out — counted in ``stats()['queue_full_waits']`` — and the server holds the
+rest: the consumer's ``max_ack_pending`` is the in-flight window). Each request also carries a
+byte budget (``pull_bytes``; the server ends the request with a 409 when the next message would
+pass it): without one, a backlog of large (packed) messages came as whole requests' worth at
+once, past the server's per-connection outbound limit (64 MB by default), which cut the
+connection as a slow consumer. A message larger than a whole budget doubles the budget
+(``stats()['pull_bytes_raised']``). ``poll()`` hands the caller what is queued. The
 consumer acknowledges "all up to here" (AckAll): with ``auto_ack`` every ``poll()`` first
 acknowledges what the previous one returned (the caller applied it before polling again, as
 ``KVRouter.run`` does); otherwise call ``ack()`` after applying. ``position`` is the stream seq
@@ -78,10 +83,13 @@ class JetStreamSource(EventSource):
 
     def __init__(self, url: str, *, durable: str = "kvrouter", stream: StreamSpec | None = None,
                  start_seq: int | None = None, window: int = 4096, fetch_batch: int = 512, max_queued: int = 8192,
-                 auto_ack: bool = True, stale_after: float = 10.0, filter_subject: str | None = None,
+                 pull_bytes: int = 4 << 20, max_queued_bytes: int = 24 << 20, auto_ack: bool = True,
+                 stale_after: float = 10.0, filter_subject: str | None = None,
                  pods: dict[str, tuple] | None = None) -> None:
         if window < 1 or fetch_batch < 1 or max_queued < fetch_batch:
             raise ValueError("window and fetch_batch must be >= 1, max_queued >= fetch_batch")
+        if pull_bytes < 1024 or max_queued_bytes < pull_bytes:
+            raise ValueError("pull_bytes must be >= 1024, max_queued_bytes >= pull_bytes")
         self.url = url
         self.stream = stream or StreamSpec()
         self.durable = durable
@@ -89,6 +97,9 @@ class JetStreamSource(EventSource):
         self.window = window
         self.fetch_batch = fetch_batch
         self.max_queued = max_queued
+        self.pull_bytes = pull_bytes  #: byte budget of one pull request (raised if one message needs more)
+        self.max_queued_bytes = max_queued_bytes  #: bytes queued here plus bytes requested, at most
+        self._queued_bytes = 0  #: bodies in the hand-over queue (written on the loop, read under _cond)
         self.auto_ack = auto_ack
         self.stale_after = stale_after
         self.filter_subject = filter_subject or self.stream.subjects
@@ -96,7 +107,8 @@ class JetStreamSource(EventSource):
         self.acked = self.position  #: stream seq of the last delivery acknowledged
         self.stream_last = 0  #: the stream's last seq, as last read (about once a second)
         self._stats = {"messages": 0, "deliveries": 0, "duplicates": 0, "malformed": 0, "queue_full_waits": 0,
-                       "fetch_errors": 0, "acks": 0, "disconnects": 0, "reconnects": 0, "errors": 0,
+                       "fetch_errors": 0, "pull_bytes_raised": 0, "acks": 0, "disconnects": 0, "reconnects": 0,
+                       "errors": 0,
                        "implied_resets": 0, "stream_gaps": 0, "stream_holes": 0, "stream_lost": 0, "hole_gaps": 0}
         self._pods: dict[str, _PodState] = {}
         now = time.time()
@@ -144,8 +156,9 @@ class JetStreamSource(EventSource):
         # fetch that waits for a whole batch, or for its timeout, would add that wait to the lag)
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream.name}.{self.durable}"
         self._inbox = self.nc.new_inbox()
-        #: reply subject -> [messages still due, local expiry], oldest first (a delivered message
-        #: carries its own subject, not the request's: only the end of a request, a status, names it)
+        #: reply subject -> [messages still due, local expiry, bytes still due, messages delivered],
+        #: oldest first (a delivered message carries its own subject, not the request's: only the
+        #: end of a request, a status, names it)
         self._pulls: dict[str, list] = {}
         self._npull = 0
         self._wake = asyncio.Event()
@@ -158,6 +171,7 @@ class JetStreamSource(EventSource):
         self.stream_last = info.state.last_seq
 
     PULL_EXPIRES = 2.0  #: seconds a pull request waits at the server for messages
+    MAX_PULL_BYTES = 256 << 20  #: the most a pull budget is raised to (a message that large is refused anyway)
 
     async def _pull_loop(self) -> None:
         next_info = 0.0
@@ -172,14 +186,17 @@ class JetStreamSource(EventSource):
                 for subj in [k for k, v in pulls.items() if now > v[1]]:
                     del pulls[subj]  # its end (a 408) never came: lost with a connection
                 due = sum(v[0] for v in pulls.values())
+                due_bytes = sum(v[2] for v in pulls.values())
                 room = self.max_queued - len(self._queue) - due
-                if due < self.fetch_batch:
-                    if room >= self.fetch_batch:
+                room_bytes = self.max_queued_bytes - self._queued_bytes - due_bytes
+                if due < self.fetch_batch and due_bytes < self.pull_bytes:
+                    if room >= self.fetch_batch and room_bytes >= self.pull_bytes:
                         blocked = False
                         self._npull += 1
                         subj = f"{self._inbox}.{self._npull}"
-                        pulls[subj] = [self.fetch_batch, now + self.PULL_EXPIRES + 1.0]
-                        req = b'{"batch":%d,"expires":%d}' % (self.fetch_batch, int(self.PULL_EXPIRES * 1e9))
+                        pulls[subj] = [self.fetch_batch, now + self.PULL_EXPIRES + 1.0, self.pull_bytes, 0]
+                        req = b'{"batch":%d,"max_bytes":%d,"expires":%d}' % (
+                            self.fetch_batch, self.pull_bytes, int(self.PULL_EXPIRES * 1e9))
                         await self.nc.publish(self._next_subject, req, reply=subj)
                         continue
                     if not blocked:
@@ -203,18 +220,29 @@ class JetStreamSource(EventSource):
         hdr = msg.headers
         if hdr is not None and "Status" in hdr and not msg.data:
             if hdr["Status"] != "100":  # 404/408 (no messages, expired), 409 (over a limit): that pull is over
-                self._pulls.pop(msg.subject, None)
+                pull = self._pulls.pop(msg.subject, None)
+                if (pull is not None and pull[3] == 0 and hdr["Status"] == "409"
+                        and "MaxBytes" in str(hdr.get("Description", "")) and self.pull_bytes < self.MAX_PULL_BYTES):
+                    # the next message is larger than a whole budget: without more, it never comes
+                    self.pull_bytes = min(self.pull_bytes * 2, self.MAX_PULL_BYTES)
+                    self.max_queued_bytes = max(self.max_queued_bytes, self.pull_bytes)
+                    self._stats["pull_bytes_raised"] += 1
                 self._wake.set()
             return
+        size = len(msg.data)
         pulls = self._pulls
         if pulls:  # the server fills its waiting pull requests in order: this one counts against the oldest
             head = next(iter(pulls))
-            pulls[head][0] -= 1
-            if pulls[head][0] <= 0:
+            pull = pulls[head]
+            pull[0] -= 1
+            pull[2] -= size
+            pull[3] += 1
+            if pull[0] <= 0:
                 del pulls[head]
                 self._wake.set()
         with self._cond:
             self._queue.append(msg)
+            self._queued_bytes += size
             self._cond.notify()
 
     # ---- caller thread ------------------------------------------------------------------------
@@ -247,6 +275,8 @@ class JetStreamSource(EventSource):
                 self._cond.wait(timeout_ms / 1000)
             queue = self._queue
             msgs = [queue.popleft() for _ in range(min(len(queue), self.fetch_batch * 2))]
+            for msg in msgs:
+                self._queued_bytes -= len(msg.data)
         if not msgs:
             return []
         if len(self._queue) + self.fetch_batch <= self.max_queued:
@@ -402,8 +432,9 @@ class JetStreamSource(EventSource):
         return max(0, self.stream_last - self.acked)
 
     def stats(self) -> dict[str, int]:
-        return {**self._stats, "queued": len(self._queue), "position": self.position, "acked": self.acked,
-                "stream_last": self.stream_last, "lag": self.lag(), "pods": len(self._pods)}
+        return {**self._stats, "queued": len(self._queue), "queued_bytes": self._queued_bytes,
+                "position": self.position, "acked": self.acked, "stream_last": self.stream_last, "lag": self.lag(),
+                "pods": len(self._pods)}
 
     def close(self) -> None:
         if self._closed:
