@@ -173,3 +173,26 @@ def test_store_failures_leave_no_temp_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="checksum kind"):
         pool.store([], NB, False, 9, False)
     pool.close()
+
+
+def test_a_forked_child_gets_its_own_threads(tmp_path: Path) -> None:
+    """Threads do not survive fork: a pool used in the parent starts fresh ones in the child."""
+    import os
+
+    payload = bytes(range(256)) * (NB // 256)
+    path = _write(tmp_path, "blk", payload, fs_io.CRC_CRC32C)
+    pool = native.IOPool(2)
+    slot = _slots(1, True)[0]
+    assert pool.load([(path, slot, KEY)], NB, False) == [0]  # the parent's threads are running
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if the load worked
+        ok = False
+        try:
+            child = _slots(1, True)[0]
+            ok = pool.load([(path, child, KEY)], NB, False) == [0] and bytes(child) == payload
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert pool.load([(path, slot, KEY)], NB, False) == [0]  # and the parent's still work
+    pool.close()

@@ -11,8 +11,9 @@ does not walk past a group full of recently deleted inodes; see ``fs_io.spread_d
   ``O_DIRECT`` where the filesystem takes it (probed once; ``o_direct`` forces it on or off),
   then check the CRC over the slot. A missing, torn, corrupt or mismatched file fails the
   job (never a hit with wrong or missing bytes); a damaged file is deleted with a removal.
-  Where the C extension is built (``native_io``, default on then) a load job is one call
-  into it: ``load_threads`` C threads read and check its blocks without the GIL.
+  Where the C extension is built (``native_io``, default on then) a load or store job is one
+  call into it: ``load_threads`` / ``store_threads`` C threads read and check, or write, its
+  blocks without the GIL (:mod:`manager.tiering.fs_rw`).
 * Stores write a temp file (one ``pwritev``) and rename it into place: a reader sees no file
   or a whole one. Durability when a store job reports success: every block is a whole file
   under its final name (survives a crash of the process); with ``fsync=True`` the data
