@@ -52,6 +52,7 @@ _SUB_COUNTERS = {
     "kvevents.subscriber.join_retries": "join_retries",
     "kvevents.subscriber.reconnects": "reconnects",
     "kvevents.subscriber.unverified_resets": "unverified_resets",
+    "kvevents.subscriber.old_conn_dropped": "old_conn_dropped",
 }
 _SUB_TOTALS = {  # subscriber-wide (stats()), not per publisher
     "kvevents.subscriber.publishers.refused": "publishers_refused",

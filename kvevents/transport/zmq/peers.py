@@ -56,7 +56,7 @@ class Peer:
 
     __slots__ = ("name", "replay_endpoint", "sub", "dealer", "monitor", "tracker", "anchor_seq", "anchor",
                  "anchor_run", "checking", "check_kind", "check_run", "connects", "probe_ivl", "probed_at", "gone", "bind",
-                 "suspect", "fd", "moved", "old_held", "old_next")
+                 "suspect", "conn", "old", "settled", "old_held", "old_next")
 
     def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker, bind: bool = False) -> None:
         self.name = name
@@ -72,8 +72,11 @@ class Peer:
         self.check_kind = 0
         self.check_run = 0  #: the tracker's ``resets`` when the check was asked (a RESET since: moot)
         self.suspect = False  #: reconnected, not yet verified: every replay asked is a reconnect check
-        self.fd = -1  #: bind mode: the connection (file descriptor) its frames last came over
-        self.moved = False  #: bind mode: that connection closed; its next frame comes over another
+        #: bind mode (see .conns): the connection its frames come over (None: not known), the one
+        #: it left whose unread tail may still come, and whether its frames need no attributing
+        self.conn = None
+        self.old = None
+        self.settled = False
         #: seqs of live batches held when the reconnect was seen: the old connection's, so the old
         #: run's if the check finds a restart (dropped with the old run's state by its RESET)
         self.old_held: tuple[int, ...] = ()
@@ -201,7 +204,7 @@ class PeerTable:
         out = {"publishers": len(self.by_name), "publishers_active": len(self.active),
                "publishers_refused": self.refused, "publishers_expired": self.expired}
         names = ("received", "gaps", "recovered", "unrecoverable", "resets", "probes", "join_retries", "reconnects",
-                 "unverified_resets")
+                 "unverified_resets", "old_conn_dropped")
         out.update(dict.fromkeys(names, 0))
         kinds = dict(malformed)
         for peer in self.by_name.values():

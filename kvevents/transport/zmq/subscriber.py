@@ -31,17 +31,16 @@ from ...delivery import Delivery, PublisherHealth
 from ...errors import DecodeError, EndpointError
 from ...source import EventSource
 from ...tracker import SeqTracker
-from .conns import BindConnections
+from .conns import DROP, NEW, BindConnections
 from .endpoints import probe_replay_endpoint, validate_endpoint
 from .frames import is_end_marker, is_replay_answer, replay_request
 from .peers import Peer, PeerTable, reconnected
+from .restarts import DRAIN as _DRAIN
+from .restarts import RestartDetection
 
 __all__ = ["Subscriber", "PublisherSpec"]
 
-NOBLOCK, RCVMORE, SRCFD = zmq.NOBLOCK, zmq.RCVMORE, zmq.SRCFD
-#: messages taken from one socket per poll: keeps publishers fair and the deliveries a poll
-#: holds (and the garbage collector scans) small
-_DRAIN = 64
+NOBLOCK, RCVMORE = zmq.NOBLOCK, zmq.RCVMORE
 
 
 @dataclass(slots=True)
@@ -51,7 +50,7 @@ class PublisherSpec:
     name: str | None = None  #: identity in deliveries and health; defaults to the endpoint (or topic in bind mode)
 
 
-class Subscriber(EventSource):
+class Subscriber(RestartDetection, EventSource):
     """The ZeroMQ event source (see the module docstring); ``open_source("tcp://...")`` builds one."""
 
     def __init__(
@@ -229,23 +228,21 @@ class Subscriber(EventSource):
                     peer.tracker.health.reconnects += 1
                     self._check_reconnect(peer, now, new_connection=True)
                 continue
-            if kind == "bindmon":
+            if kind == "bindmon":  # then the socket: a close read is followed by an EAGAIN (.conns)
                 self._conns.read_events()
+                self._drain_bind(self._bind_sub, now, out)
                 continue
-            watch = kind == "bind" and self._conns.fresh  # a new connection: learn whose it is
+            if kind == "bind":
+                self._drain_bind(sock, now, out)
+                continue
             if tap is not None:
-                where = ("replay" if kind == "replay" else "pub", None if peer is None else peer.name)
+                where = ("replay" if kind == "replay" else "pub", peer.name)
             recv = sock.recv
             more = sock.getsockopt
             for _ in range(_DRAIN):  # bounded drain per socket keeps publishers fair
                 # frame by frame: pyzmq's recv_multipart costs ~2x as much per message
                 try:
-                    if watch:
-                        first = recv(NOBLOCK, copy=False)
-                        fd = first.get(SRCFD)
-                        frames = [first.bytes]
-                    else:
-                        frames = [recv(NOBLOCK)]
+                    frames = [recv(NOBLOCK)]
                 except zmq.Again:
                     break
                 while more(RCVMORE):
@@ -256,10 +253,6 @@ class Subscriber(EventSource):
                     self._on_replay(peer, frames, now, out)
                     if peer.dealer is not sock:
                         break
-                elif watch:
-                    self._on_live(peer, frames, now, out, fd)
-                    self._conns.fresh.discard(fd)  # its first frame was read: refused or malformed too
-                    watch = self._conns.fresh
                 else:
                     self._on_live(peer, frames, now, out)
         table = self._table
@@ -295,60 +288,30 @@ class Subscriber(EventSource):
         d = peer.tracker.health.malformed if peer else self._malformed
         d[kind] = d.get(kind, 0) + 1
 
-    def _check_reconnect(self, peer: Peer, now: float, new_connection: bool = False) -> None:
-        """The publisher reconnected: maybe another run. Hold live batches, replay from the anchor
-        and compare (strictly: no batch there is a restart too); until that answer, the peer is
-        ``suspect`` and every request it makes is such a check."""
-        tracker = peer.tracker
-        if not peer.has_anchor() or tracker.expected is None:
-            return
-        peer.suspect = True
-        if new_connection:  # what is held so far came over the old one
-            peer.old_held = tuple(tracker.pending)
-        tracker.probing = False  # an idle probe in flight becomes this check: live batches are held
-        if not tracker.check(now):  # a replay already in flight: ask again, from the anchor
-            tracker.request = tracker.expected
-            tracker.deadline = now + tracker.replay_timeout
-        self._send_request(peer, strict=True)
-
-    def _reconnected(self, peer: Peer, seq: int, now: float, out: list[Delivery]) -> None:
-        """Bind mode: a topic heard before came back over another connection (see .conns)."""
-        peer.moved = False
-        tracker = peer.tracker
-        tracker.health.reconnects += 1
-        if tracker.expected is None or seq <= tracker.live_high:
-            return  # nothing delivered yet, or the seq went backwards: the tracker says RESET itself
-        if peer.replay_endpoint:
-            self._check_reconnect(peer, now, new_connection=True)
-        else:  # nothing to verify against: the reconnect is a RESET (a blip costs a re-learn, never a splice)
-            out.extend(tracker.restarted(now, verified=False))
-            peer.anchor, peer.anchor_seq = None, -1
-
-    def _restart(self, peer: Peer, now: float, out: list[Delivery], verified: bool = True) -> None:
-        """The anchor's payload changed under its seq (or could not be checked): RESET, then the new run from 0."""
-        peer.drop_old_held()  # the old run's, held for a replay it never finished
-        out.extend(peer.tracker.restarted(now, verified=verified))
-        peer.anchor, peer.anchor_seq = None, -1
-        self._send_request(peer)
-
     def _on_live(self, peer: Peer | None, frames: list[bytes], now: float, out: list[Delivery], fd: int = -1) -> None:
-        if len(frames) != 3:
-            self._count(peer, "frames")
+        if len(frames) != 3 or len(frames[1]) != 8:  # validated before a bind-mode peer is made for its topic
+            self._count(peer, "frames" if len(frames) != 3 else "seq")
+            if fd >= 0:
+                self._conns.unnamed(fd)
             return
         topic_b, seq_b, payload = frames
-        if len(seq_b) != 8:  # validated before a bind-mode peer is made for its topic
-            self._count(peer, "seq")
-            return
         topic = topic_b.decode(errors="replace")
         if peer is None:  # bind mode: the topic names the publisher
             peer = self._peers.get(topic)
             if peer is None:
                 peer = self._learn(topic, now)
                 if peer is None:
+                    if fd >= 0:
+                        self._conns.unnamed(fd)
                     return  # refused: at max_publishers (counted)
             self._table.heard(peer)
-            if (fd >= 0 and self._conns.attribute(peer, fd)) or peer.moved:
-                self._reconnected(peer, int.from_bytes(seq_b, "big"), now, out)
+            if fd >= 0 or not peer.settled:  # (settled: its frames can only be its connection's)
+                verdict = self._conns.classify(peer, fd)
+                if verdict == DROP:  # a connection's tail it left, or one that cannot be placed
+                    peer.tracker.health.old_conn_dropped += 1
+                    return
+                if verdict == NEW:
+                    self._reconnected(peer, int.from_bytes(seq_b, "big"), now, out)
         if peer.old_next >= 0 and peer.old_leftover(int.from_bytes(seq_b, "big")):  # (after a RESET)
             return  # the old run's, unread when its RESET came: it went with the old run
         if peer.suspect:  # a reconnect not verified yet: hold, check again; never spill unverified
