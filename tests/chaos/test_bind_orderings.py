@@ -194,3 +194,29 @@ def test_fd_reuse_after_the_old_connection_is_exhausted_is_one_reconnect() -> No
         sim.close()
     _check(got, sub, replay=False)
     assert sub.health()[T].old_conn_dropped == 0
+
+
+def test_a_connection_carrying_two_topics_is_followed_per_topic() -> None:
+    """One publisher process publishing two topics over one connection restarts: each topic is
+    reset once (before: the connection was attributed to its first topic only, so the second
+    topic's restart went unseen)."""
+    sub, sim = _sub(replay=False)
+    try:
+        a = sim.accept(9)
+        for seq in range(10):
+            a.send(T, 1, seq).send("second", 1, seq)
+        got = sim.poll_all()
+        a.close()
+        got += sim.poll_all()
+        b = sim.accept(9)
+        for seq in range(NEW_RUN, NEW_RUN + 3):
+            b.send(T, 2, seq).send("second", 2, seq)
+        got += sim.poll_all()
+    finally:
+        sim.close()
+    h = sub.health()
+    for topic in (T, "second"):
+        mine = [d for d in got if d.publisher == topic]
+        r = judge(mine)
+        assert r["splices"] == 0 and r["resets"] == 1 and h[topic].reconnects == 1, (topic, r, h[topic])
+        assert [d.seq for d in mine if d.kind is BATCH][-3:] == list(range(NEW_RUN, NEW_RUN + 3))
