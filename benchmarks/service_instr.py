@@ -7,7 +7,9 @@ A child process under ``valgrind --tool=callgrind`` pre-fills a router (64 pods 
 ``--blocks`` indexed blocks, the shape of ``benchmarks/service.py``) and counts the
 instructions of each stage of the API's score route over the same 32 bodies of 4,096 token
 ids (half with a cached prefix): ``decode`` (the body into a ScoreRequest and its token ids),
-``score`` (``KVRouter.score``), ``answer`` (sort + JSON encode) and the three together.
+``score`` (``KVRouter.score``), ``answer`` (sort + JSON encode) and the three together; where
+the checkout has them, the C route too: ``json_request`` (decode), ``Scorer.score_json``
+(score + answer), both, and ``Api.fast_answer`` (what the fast HTTP path calls per request).
 Instruction counts are steady where wall clock on a shared machine is not; cache misses in a
 large index are not in them (see the wall-clock table of ``benchmarks/service.py``).
 """
@@ -15,6 +17,7 @@ large index are not in them (see the wall-clock table of ``benchmarks/service.py
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -57,11 +60,30 @@ def child(root: str, blocks: int) -> None:
         for b in bodies:
             req, toks = decode(b)
             answer(r.score(toks, req.lora_name, model=MODEL, load=req.load), len(toks))
+    stages = [("decode", lambda i: decode(bodies[i])),
+              ("score", lambda i: r.score(reqs[i][1], None, model=MODEL, load=None)),
+              ("answer", lambda i: answer(scores[i], len(reqs[i][1]))),
+              ("all", lambda i: answer(r.score(decode(bodies[i])[1], None, model=MODEL), 4096))]
+    # the C route (checkouts that have it): json_request reads the body, score_json writes the answer
+    json_request = getattr(importlib.import_module("consumers.keys"), "json_request", None)
+    score_json = getattr(r.scorer, "score_json", None)
+    if json_request is not None and score_json is not None:
+        from kvservice.api import Api
+
+        api = Api(fleet)
+        fast = getattr(api, "fast_answer", None)
+        got = [json_request(b) for b in bodies]
+        for i in range(2):  # warm
+            score_json(got[i][2], None, model=MODEL)
+            if fast is not None:
+                fast("/v1/score", bodies[i])
+        stages += [("c_decode", lambda i: json_request(bodies[i])),
+                   ("c_score_answer", lambda i: score_json(got[i][2], None, model=MODEL)),
+                   ("c_all", lambda i: score_json(json_request(bodies[i])[2], None, model=MODEL))]
+        if fast is not None:
+            stages.append(("route", lambda i: fast("/v1/score", bodies[i])))
     reg.instrument()
-    for label, fn in (("decode", lambda i: decode(bodies[i])),
-                      ("score", lambda i: r.score(reqs[i][1], None, model=MODEL, load=None)),
-                      ("answer", lambda i: answer(scores[i], len(reqs[i][1]))),
-                      ("all", lambda i: answer(r.score(decode(bodies[i])[1], None, model=MODEL), 4096))):
+    for label, fn in stages:
         reg.label = label
         reg.start()
         for i in range(N):
@@ -89,9 +111,13 @@ def main() -> None:
     if rc != 0:
         sys.exit(f"the callgrind child failed (rc {rc}): {tail}")
     res = read_dumps(out)
+    names = {"decode": "decode: msgspec ScoreRequest + token_ids_of", "score": "KVRouter.score",
+             "answer": "answer: sort + msgspec encode", "all": "all three (the aiohttp route's work)",
+             "c_decode": "decode: json_request (C)", "c_score_answer": "score + answer: Scorer.score_json (C)",
+             "c_all": "both (C)", "route": "Api.fast_answer (the fast path's whole route, lock included)"}
     print_table(f"/v1/score outside HTTP: instructions per request (callgrind, mean of {N} bodies of 4,096 token ids; "
                 f"{args.root})", ["stage", "instructions"],
-                [(k, res[k] // N) for k in ("decode", "score", "answer", "all") if k in res])
+                [(names[k], res[k] // N) for k in names if k in res])
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ class Api:
             pod = self.fleet.router.pick(tokens, req.lora_name, model=model, load=req.load)
         return msgspec.json.encode({"model": model, "pick": pod, "prompt_tokens": len(tokens)})
 
-    def fast_answer(self, route: str, body: bytes) -> bytes | None:
+    def fast_answer(self, route: str, body: bytes | memoryview) -> bytes | None:
         """The JSON answer of a hot route for a raw body (kvservice.fasthttp), without awaiting:
         None when the body needs the tokenizer; an exception for anything that is an error (the
         caller then hands the request to aiohttp, which answers it with the error JSON).

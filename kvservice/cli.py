@@ -16,7 +16,7 @@ from kvevents.errors import ConfigError, KVEventsError
 
 from .config import PodConfig, ServiceConfig, from_dict, load_config
 
-__all__ = ["build_config", "main", "register", "run_service"]
+__all__ = ["build_config", "main", "new_event_loop", "register", "run_service"]
 
 log = logging.getLogger("kvservice")
 
@@ -117,6 +117,9 @@ async def serve(cfg: ServiceConfig, stop: asyncio.Event, *, announce=print, flee
     from .metrics import Telemetry
 
     token = read_token(cfg.api.api_token_file) if cfg.api.api_token_file else None
+    # one process, two threads (ingest, API loop) and one GIL: how long either may keep it while
+    # the other waits (README "Threads")
+    sys.setswitchinterval(cfg.api.gil_switch_ms / 1000)
     fleet = fleet if fleet is not None else Fleet(cfg)
     try:
         tokenizer = make_tokenizer(fleet, cfg.api.tokenizer, cfg.api.upstream_timeout)
@@ -168,8 +171,23 @@ def run_service(cfg: ServiceConfig) -> int:
             loop.add_signal_handler(sig, lambda s=sig: (got.append(s), stop.set()))
         await serve(cfg, stop, announce=lambda line: print(line, flush=True))
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=lambda: new_event_loop(cfg)) as runner:
+        runner.run(main())
     return 130 if got and got[0] == signal.SIGINT else 0
+
+
+def new_event_loop(cfg: ServiceConfig) -> asyncio.AbstractEventLoop:
+    """The service's event loop (``api.event_loop``): uvloop's where installed unless the config
+    says ``asyncio`` (measured: ~15% less CPU per answered request, README "HTTP stack")."""
+    if cfg.api.event_loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if cfg.api.event_loop == "uvloop":
+                raise
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
 def run_from_args(args: argparse.Namespace) -> int:

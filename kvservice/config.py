@@ -21,6 +21,8 @@ Schema (every section and key optional unless marked; unknown keys are errors)::
     upstream_timeout = 60.0      # seconds a pod has to answer a proxied request
     down_for = 10.0              # seconds a failed pod is skipped by the proxy
     fast_path = true             # POST /v1/score and /v1/pick on the lean HTTP front (kvservice.fasthttp)
+    gil_switch_ms = 1.0          # sys.setswitchinterval for the service's process (CPython's default: 5 ms)
+    event_loop = "auto"          # "auto" (uvloop where installed), "uvloop" or "asyncio"
 
     [subscriber]
     late_join = true             # replay what each publisher still buffers at start
@@ -39,6 +41,8 @@ Schema (every section and key optional unless marked; unknown keys are errors)::
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 try:
     import tomllib
@@ -92,6 +96,11 @@ class ApiConfig:
     #: answer POST /v1/score and /v1/pick with the lean HTTP/1.1 front (kvservice.fasthttp);
     #: false: every request goes through aiohttp
     fast_path: bool = True
+    #: the process's GIL switch interval (sys.setswitchinterval), in ms: the longest the ingest
+    #: thread keeps the GIL while the API's loop waits for it, and back (CPython's default: 5)
+    gil_switch_ms: float = 1.0
+    #: the service's event loop: "auto" (uvloop where installed, else asyncio's), "uvloop", "asyncio"
+    event_loop: str = "auto"
 
 
 @dataclass(slots=True)
@@ -197,10 +206,14 @@ class ServiceConfig:
             raise ConfigError(f"api.port must be an int in [0, 65535], got {a.port!r}")
         if not isinstance(a.max_body_bytes, int) or a.max_body_bytes < 1024:
             raise ConfigError(f"api.max_body_bytes must be an int >= 1024, got {a.max_body_bytes!r}")
-        for k in ("upstream_timeout", "down_for"):
+        for k in ("upstream_timeout", "down_for", "gil_switch_ms"):
             v = getattr(a, k)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"api.{k} must be a positive number, got {v!r}")
+        if a.event_loop not in ("auto", "uvloop", "asyncio"):
+            raise ConfigError(f"api.event_loop must be one of auto, uvloop, asyncio, got {a.event_loop!r}")
+        if a.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+            raise ConfigError("api.event_loop = \"uvloop\" but uvloop is not installed (pip install uvloop)")
         if a.proxy and not any(p.http for p in self.pods):
             raise ConfigError("api.proxy needs pods with an http URL (pods[].http) to forward to")
         for k in ("stale_after", "replay_timeout"):

@@ -160,7 +160,7 @@ class FastHttp(asyncio.Protocol):
             if end > n:
                 self.need = end - pos
                 break
-            answer = site.answer(route, data[he + 4:end], close)
+            answer = site.answer(route, memoryview(data)[he + 4:end], close)  # the body, not copied
             if answer is None:
                 return self._handoff(data[pos:])
             self.transport.write(answer)
@@ -222,7 +222,7 @@ class FastSite(web.TCPSite):
                 c.transport.close()
         self.conns.clear()
 
-    def answer(self, route: str, body: bytes, close: bool = False) -> bytes | None:
+    def answer(self, route: str, body: bytes | memoryview, close: bool = False) -> bytes | None:
         """The whole HTTP answer for a hot route, or None to hand the request to aiohttp."""
         t0 = time.perf_counter()
         api = self.api

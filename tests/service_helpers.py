@@ -63,9 +63,9 @@ def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
 class InProcessService:
     """``kvservice.cli.serve`` on an event loop in a background thread."""
 
-    def __init__(self, cfg, token: str | None = None) -> None:
+    def __init__(self, cfg, token: str | None = None, *, loop_factory=asyncio.new_event_loop) -> None:
         self.cfg = cfg
-        self.loop = asyncio.new_event_loop()
+        self.loop = loop_factory()
         self.started = threading.Event()
         self.error: BaseException | None = None
         self.url: str | None = None

@@ -1,7 +1,8 @@
 """The lean HTTP/1.1 front of the hot routes (kvservice.fasthttp) over real sockets on loopback:
 the same answers as aiohttp, hand-off of everything else on the same connection (in order),
 errors answered by aiohttp, requests arriving in pieces, Connection: close, and an index read
-between two batches while ingest writes."""
+between two batches while ingest writes; on asyncio's event loop and on uvloop's (the
+service's default where installed)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,18 @@ from .service_helpers import MODEL, InProcessService, stored, wait_for
 TOKS = list(range(2000, 2064))  # 4 blocks of 16
 
 
-@pytest.fixture
-def svc(tmp_path):
+@pytest.fixture(params=["asyncio", "uvloop"])
+def svc(request, tmp_path):
     pub = ZmqEventPublisher(f"ipc://{tmp_path}/a.pub", None, topic="")
     (tmp_path / "token").write_text("s3cret\n")
     cfg = from_dict({"router": {"model": MODEL}, "api": {"port": 0, "max_body_bytes": 8192,
                                                          "api_token_file": str(tmp_path / "token")},
                      "pods": [{"name": "a", "endpoint": f"ipc://{tmp_path}/a.pub"}]}).validate()
-    s = InProcessService(cfg, token="s3cret")
+    if request.param == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        s = InProcessService(cfg, token="s3cret", loop_factory=uvloop.new_event_loop)
+    else:
+        s = InProcessService(cfg, token="s3cret")
     try:
         yield s, pub
     finally:
@@ -223,3 +228,11 @@ def test_answers_see_the_index_between_two_batches_while_ingest_writes(svc) -> N
     assert len(set(seen)) > 2  # answers were read while batches were being applied
     assert all(m % 64 == 0 for m in seen), sorted(set(m % 64 for m in seen))
     assert seen == sorted(seen)
+
+
+@pytest.mark.parametrize("api, key", [({"event_loop": "trio"}, "api.event_loop"), ({"gil_switch_ms": 0}, "api.gil_switch_ms")])
+def test_loop_and_switch_interval_settings_are_validated(api, key) -> None:
+    from kvevents.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        from_dict({"router": {"model": MODEL}, "api": api, "pods": [{"name": "a", "endpoint": "ipc:///tmp/x"}]}).validate()

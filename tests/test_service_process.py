@@ -84,8 +84,8 @@ def test_bad_config_exits_2_with_one_line(tmp_path) -> None:
                        timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"kvevents router: error: {p}: api.prot: unknown key (known: "
-                                             "api_token_file, down_for, fast_path, host, max_body_bytes, port, proxy, "
-                                             "tokenizer, upstream_timeout)"]
+                                             "api_token_file, down_for, event_loop, fast_path, gil_switch_ms, "
+                                             "host, max_body_bytes, port, proxy, tokenizer, upstream_timeout)"]
     r = subprocess.run([sys.executable, "-m", "kvservice", "--pod", "a=tcp://127.0.0.1:5557"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "pods[0].model" in r.stderr and "Traceback" not in r.stderr
