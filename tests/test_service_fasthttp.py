@@ -23,17 +23,20 @@ TOKS = list(range(2000, 2064))  # 4 blocks of 16
 
 @pytest.fixture(params=["asyncio", "uvloop"])
 def svc(request, tmp_path):
-    pub = ZmqEventPublisher(f"ipc://{tmp_path}/a.pub", None, topic="")
+    pub = ZmqEventPublisher(f"ipc://{tmp_path}/a.pub", f"ipc://{tmp_path}/a.replay", topic="")
     (tmp_path / "token").write_text("s3cret\n")
     cfg = from_dict({"router": {"model": MODEL}, "api": {"port": 0, "max_body_bytes": 8192,
                                                          "api_token_file": str(tmp_path / "token")},
-                     "pods": [{"name": "a", "endpoint": f"ipc://{tmp_path}/a.pub"}]}).validate()
+                     "pods": [{"name": "a", "endpoint": f"ipc://{tmp_path}/a.pub",
+                               "replay_endpoint": f"ipc://{tmp_path}/a.replay"}]}).validate()
     if request.param == "uvloop":
         uvloop = pytest.importorskip("uvloop")
         s = InProcessService(cfg, token="s3cret", loop_factory=uvloop.new_event_loop)
     else:
         s = InProcessService(cfg, token="s3cret")
     try:
+        # the late-join replay done: subscribed, so what is published from now on is received
+        wait_for(lambda: s.http.get("/readyz")[0] == 200, what="ready")
         yield s, pub
     finally:
         s.close()
