@@ -96,6 +96,25 @@ def test_packed_bodies_are_checked() -> None:
         parse_headers({**plane_headers("batch", "p", "t", 0, 1, 0), "Kv-Count": "0"})
 
 
+def test_a_packed_message_stops_growing_below_the_servers_payload_limit() -> None:
+    """Large batches pack fewer to a message: a body past nats-server's max_payload (1 MB) would
+    be refused, and the connection with it."""
+    from types import SimpleNamespace
+
+    from kvevents.transport.nats.bridge import MAX_PACKED_BYTES, _Pod
+
+    pod = _Pod(EngineSpec("p", "ipc:///x"), "kvevents.default.p")
+    items = [(pod, "batch", s, bytes([s]) * 100_000, "t", 0, 0, "") for s in range(32)]
+    msgs = Bridge._messages(SimpleNamespace(pack=32), items)
+    sizes = [sum(map(len, body)) if isinstance(body, list) else len(body) for _, body, _ in msgs]
+    assert len(msgs) > 1 and max(sizes) <= MAX_PACKED_BYTES
+    got = [p for _, body, h in msgs for p in unpack(b"".join(body) if isinstance(body, list) else body,
+                                                       int(h.get("Kv-Count", 1)))]
+    assert got == [it[3] for it in items]  # every batch once, in order
+    assert [int(h["Kv-Seq"]) for _, _, h in msgs] == [0] + [sum(int(h.get("Kv-Count", 1)) for _, _, h in msgs[:i])
+                                                            for i in range(1, len(msgs))]
+
+
 @pytest.mark.parametrize("pack", [1, 4])
 def test_bridge_kill9_mid_stream_stream_holds_every_batch_once_in_order(nats_server, tmp_path, pack) -> None:
     pub_ep, rep_ep = ipc_pair()

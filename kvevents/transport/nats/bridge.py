@@ -27,9 +27,11 @@ from ...delivery import DeliveryKind
 from ...errors import ConfigError
 from ...subscriber import PublisherSpec, Subscriber
 from .sender import PlaneSender
-from .wire import COUNT, MAX_PACK, StreamSpec, pack, parse_headers, plane_headers, subject_for, unpack
+from .wire import COUNT, MAX_PACK, StreamSpec, pack_parts, parse_headers, plane_headers, subject_for, unpack
 
 __all__ = ["Bridge", "EngineSpec"]
+
+MAX_PACKED_BYTES = 512 << 10  #: a packed message's body stops growing here (nats-server's max_payload: 1 MB)
 
 
 @dataclass(slots=True)
@@ -222,15 +224,19 @@ class Bridge:
                 _, kind, seq, body, topic, run, missed, reason = its[i]
                 j = i + 1
                 if kind == "batch" and limit > 1:
+                    size = len(body)
                     while j < n and j - i < limit:
                         nxt = its[j]
                         if nxt[1] != "batch" or nxt[2] != seq + (j - i) or nxt[5] != run:
+                            break
+                        size += len(nxt[3]) + 4
+                        if size > MAX_PACKED_BYTES:  # under the server's max_payload (1 MB by default)
                             break
                         j += 1
                 h = plane_headers(kind, spec.name, topic, spec.rank, seq, run, missed, reason, spec.model)
                 if j - i > 1:
                     h[COUNT] = str(j - i)
-                    body = pack([it[3] for it in its[i:j]])
+                    body = pack_parts([it[3] for it in its[i:j]])  # sent as parts: joined by no one here
                 msgs.append((pod.subject, body, h))
                 i = j
         return msgs

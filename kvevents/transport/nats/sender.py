@@ -8,6 +8,15 @@ put. A failed or missing acknowledgement (the server restarted, the connection d
 new sends; once the connection is back every unacknowledged message is sent again, in order,
 one at a time: those the server already stored come back as duplicates (same ``Nats-Msg-Id``)
 and are dropped by the stream, the others are stored. Nothing is given up on.
+
+The send path is our own, not nats-py's ``publish_async``: each message is one HPUB frame whose
+reply subject is ``<our ack inbox>.<ordinal>``, handed to the connection's outgoing buffer as
+its parts (the frame line and headers, then the body's buffers: a packed body is a list of
+length prefixes and payloads, never joined here), so a message's bytes are copied once, when
+the connection writes its buffer out (nats-py's path copied a large body four to five times:
+the pack, two concatenations, the buffer join, the partial-send remainder). Acknowledgements
+arrive on one wildcard subscription and are matched by ordinal. The resend after a failure
+uses nats-py's request path (``js.publish``), one message at a time.
 """
 
 from __future__ import annotations
@@ -22,10 +31,19 @@ from ._loop import LoopThread, connect
 from .wire import StreamSpec
 
 
+def body_bytes(body) -> bytes:
+    """A message body as one bytes object (a body may be a list of buffers, see the module doc)."""
+    return body if isinstance(body, (bytes, bytearray)) else b"".join(body)
+
+
+def body_len(body) -> int:
+    return len(body) if isinstance(body, (bytes, bytearray)) else sum(map(len, body))
+
+
 @dataclass(slots=True)
 class Outgoing:
     subject: str
-    body: bytes
+    body: bytes | list  #: bytes, or a list of buffers sent back to back (a packed body)
     headers: dict[str, str]
     ordinal: int = 0
     sent_at: float = 0.0
@@ -65,6 +83,9 @@ class PlaneSender:
         self.nc = await connect(self.url, "kvevents-plane-sender", on_event=self._event)
         self.js = self.nc.jetstream(publish_async_max_pending=self.window + 1)
         await self.stream.ensure(self.js)
+        self._ack_prefix = f"{self.nc.new_inbox()}."
+        self._ack_wait: dict[int, Outgoing] = {}  #: ordinal -> message sent on the fast path, not yet acknowledged
+        await self.nc.subscribe(f"{self._ack_prefix}*", cb=self._on_ack_msg)
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._pump())
 
@@ -79,33 +100,73 @@ class PlaneSender:
             if self._failed:
                 await self._resync()
                 continue
+            nc = self.nc
+            sent = 0
             while self._queue and not self._failed:
                 out = self._queue.popleft()
-                try:
-                    out.sent_at = time.monotonic()
-                    fut = await self.js.publish_async(out.subject, out.body, headers=out.headers)
-                except Exception:
+                if not nc.is_connected or nc.is_reconnecting:
                     self._queue.appendleft(out)
                     self._failed = True
                     self.stats["ack_failures"] += 1
                     break
-                out.future = fut
+                out.sent_at = time.monotonic()
+                out.future = out.ordinal
+                self._ack_wait[out.ordinal] = out
+                self._frame(nc, out)
                 self._inflight.append(out)
-                self.stats["sent"] += 1
-                self.stats["bytes"] += len(out.body)
-                fut.add_done_callback(lambda f, o=out: self._on_ack(o, f))
+                sent += 1
+                if nc._pending_data_size >= self.FLUSH_BYTES:  # noqa: SLF001
+                    # write out now and wait: one huge buffer would be joined, then sent from a
+                    # buffer whose every partial send moves all the rest (quadratic)
+                    if not await self._flush(nc, True):
+                        break
+            if sent:
+                self.stats["sent"] += sent
+                await self._flush(nc, False)
 
-    def _on_ack(self, out: Outgoing, fut) -> None:
-        if out.future is not fut or out.acked:
-            return  # abandoned by a resync
-        if fut.cancelled() or fut.exception() is not None:
+    FLUSH_BYTES = 1 << 20  #: outgoing bytes buffered before the pump waits for them to be written
+
+    async def _flush(self, nc, wait: bool) -> bool:
+        try:
+            await nc._flush_pending(force_flush=wait)  # noqa: SLF001 - nats-py's writer task writes the buffer
+            return True
+        except Exception:
+            self._failed = True  # what was buffered goes out with the reconnect; the resync re-sends it
+            return False
+
+    def _frame(self, nc, out: Outgoing) -> None:
+        """One HPUB frame into the connection's outgoing buffer, as parts (copied once, when written)."""
+        hdr = "NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in out.headers.items()) + "\r\n"
+        body = out.body
+        parts = body if type(body) is list else [body]
+        size = body_len(body)
+        head = f"HPUB {out.subject} {self._ack_prefix}{out.ordinal} {len(hdr)} {len(hdr) + size}\r\n{hdr}".encode()
+        pending = nc._pending  # noqa: SLF001 - nats-py's outgoing buffer (a list of bytes its writer joins)
+        pending.append(head)
+        pending.extend(parts)
+        pending.append(b"\r\n")
+        nc._pending_data_size += len(head) + size + 2  # noqa: SLF001
+        self.stats["bytes"] += size
+
+    async def _on_ack_msg(self, msg) -> None:
+        """An acknowledgement of a fast-path message: ``{"stream":..,"seq":..[,"duplicate":true]}``
+        or ``{"error":{...}}``; matched to its message by the ordinal in the reply subject."""
+        try:
+            ordinal = int(msg.subject[len(self._ack_prefix):])
+        except ValueError:
+            return
+        out = self._ack_wait.pop(ordinal, None)
+        if out is None or out.future != ordinal or out.acked:
+            return  # abandoned by a resync (it re-sent the message itself)
+        data = msg.data
+        if not data or b'"error"' in data or b'"seq"' not in data:
             if not self._failed:
                 self.stats["ack_failures"] += 1
             self._failed = True
             self._wake.set()
             return
         out.acked = True
-        if getattr(fut.result(), "duplicate", False):
+        if b'"duplicate":true' in data:
             self.stats["duplicates"] += 1
         self._settle()
 
@@ -126,10 +187,9 @@ class PlaneSender:
 
     async def _resync(self) -> None:
         """Send every unacknowledged message again, in order, one at a time, until all are stored."""
+        self._ack_wait.clear()  # late acknowledgements of what is re-sent below are ignored
         for out in self._inflight:
-            fut, out.future = out.future, None
-            if fut is not None and not fut.done():
-                fut.cancel()
+            out.future = None
         self._inflight.extend(self._queue)
         self._queue.clear()
         pending = [o for o in self._inflight if not o.acked]
@@ -137,7 +197,8 @@ class PlaneSender:
         while pending and not self._closed:
             out = pending[0]
             try:
-                ack = await self.js.publish(out.subject, out.body, headers=out.headers, timeout=self.ack_timeout)
+                ack = await self.js.publish(out.subject, body_bytes(out.body), headers=out.headers,
+                                            timeout=self.ack_timeout)
             except Exception:
                 await asyncio.sleep(0.2)  # the connection is still down: nats-py reconnects by itself
                 continue

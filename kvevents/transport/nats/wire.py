@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError, DecodeError
 
-__all__ = ["PlaneMsg", "StreamSpec", "msg_id", "pack", "parse_headers", "plane_headers", "subject_for", "token",
-           "unpack"]
+__all__ = ["PlaneMsg", "StreamSpec", "msg_id", "pack", "pack_parts", "parse_headers", "plane_headers", "subject_for",
+           "token", "unpack"]
 
 KIND, POD, TOPIC, RANK, SEQ, RUN, MISSED, REASON, COUNT, MODEL = (
     "Kv-Kind", "Kv-Pod", "Kv-Topic", "Kv-Dp-Rank", "Kv-Seq", "Kv-Run", "Kv-Missed", "Kv-Reason", "Kv-Count", "Kv-Model")
@@ -89,13 +89,19 @@ class PlaneMsg:
         return f"kv@{self.pod}@{self.model}"
 
 
-def pack(payloads: list[bytes]) -> bytes:
-    """Several consecutive batches' payloads as one message body (see ``Kv-Count``)."""
+def pack_parts(payloads: list[bytes]) -> list[bytes]:
+    """A packed body (see ``Kv-Count``) as its parts: each payload's 4-byte length, then the
+    payload. The sender writes the parts back to back; nothing joins them in between."""
     parts = []
-    for p in payloads:  # one copy of each payload (into the joined body), not two
+    for p in payloads:
         parts.append(len(p).to_bytes(4, "big"))
         parts.append(p)
-    return b"".join(parts)
+    return parts
+
+
+def pack(payloads: list[bytes]) -> bytes:
+    """Several consecutive batches' payloads as one message body (see ``Kv-Count``)."""
+    return b"".join(pack_parts(payloads))
 
 
 def unpack(body: bytes, count: int) -> list[bytes]:
