@@ -71,6 +71,7 @@ def test_same_outcome_as_the_python_path(tmp_path: Path, direct: bool, aligned: 
     flip[fs_io.HEADER_SIZE + 77] ^= 4
     bad("payload_flip", bytes(flip), "checksum")
     bad("truncated", raw[:-1], "short")
+    bad("trailing_bytes", raw + b"x", "short")
     bad("header_only", raw[: fs_io.HEADER_SIZE], "short")
     bad("half_header", raw[:100], "short")
     bad("empty", b"", "short")

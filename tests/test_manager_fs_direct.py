@@ -332,3 +332,27 @@ def test_native_io_demanded_but_not_built(tmp_path: Path, monkeypatch: pytest.Mo
     t = FileSystemSecondaryTierManager(root=tmp_path)  # auto: the Python path
     assert t.stats()["native_io"] is False
     t.shutdown()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+@pytest.mark.parametrize("how", ["truncated_payload", "header_only", "half_header", "empty", "trailing_bytes"])
+def test_a_file_of_the_wrong_size_leaves_the_slot_alone(tmp_path: Path, how: str, direct: bool) -> None:
+    """An O_DIRECT read past the end of a file zeroes the rest of the buffer, so a short file
+    read straight into a page-aligned slot clobbered it; a file whose size is not header +
+    block is now read as far as its header only."""
+    if direct and not fs_io.probe_o_direct(str(tmp_path)):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    io = host(2, True)
+    io.write_block(0, pattern(3))
+    t = tier_at(tmp_path, io, o_direct=direct)
+    assert run(t, JobMetadata(1, [K(1)], ids(0), False)).success
+    if how == "trailing_bytes":
+        with open(t._path(K(1)), "ab") as f:
+            f.write(b"x")
+    else:
+        _damage(t._path(K(1)), how)
+    io.write_block(1, pattern(4))
+    assert run(t, JobMetadata(2, [K(1)], ids(1), True), load=True) == JobResult(2, False)
+    assert bytes(io.read_block(1)) == pattern(4)
+    assert t.lookup(K(1)) is LookupResult.MISS and t.corrupt_files == 1
+    t.shutdown()

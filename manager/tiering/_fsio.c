@@ -181,17 +181,26 @@ static void release_holds(kv_hold *h, Py_ssize_t n) {
 static int pool_run(IOPool *p, kv_batch *b) {
     if (!b->n) return 0;
     if (pool_start(p) < 0) return -1;
+    int closed = 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_cond_init(&b->done, NULL);
     pthread_mutex_lock(&p->mu);
-    if (p->tail) p->tail->qnext = b;
-    else p->head = b;
-    p->tail = b;
-    pthread_cond_broadcast(&p->work);
-    while (b->left) pthread_cond_wait(&b->done, &p->mu);
+    if (p->closing) { /* a close() on another thread got here first: its workers may be gone */
+        closed = 1;
+    } else {
+        if (p->tail) p->tail->qnext = b;
+        else p->head = b;
+        p->tail = b;
+        pthread_cond_broadcast(&p->work);
+        while (b->left) pthread_cond_wait(&b->done, &p->mu);
+    }
     pthread_mutex_unlock(&p->mu);
     pthread_cond_destroy(&b->done);
     Py_END_ALLOW_THREADS
+    if (closed) {
+        PyErr_SetString(PyExc_ValueError, "IOPool is closed");
+        return -1;
+    }
     return 0;
 }
 

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -94,9 +95,13 @@ static int load_one(const kv_item *it, size_t nbytes, int direct, kv_bufs *b) {
     if (!dest) return -ENOMEM;
     int fd = open(it->path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | (direct ? O_DIRECT : 0));
     if (fd < 0) return errno == ENOENT ? ST_MISSING : -errno;
+    /* A file of another size is read as far as its header only: an O_DIRECT read past the end
+     * of a file zeroes the rest of the buffer (seen here), which would clobber the slot. */
+    struct stat st;
+    int whole = fstat(fd, &st) == 0 && (uint64_t)st.st_size == (uint64_t)HEADER_SIZE + nbytes;
     struct iovec iov[2] = {{head, HEADER_SIZE}, {dest, nbytes}};
     ssize_t got;
-    do got = preadv(fd, iov, 2, 0);
+    do got = preadv(fd, iov, whole ? 2 : 1, 0);
     while (got < 0 && errno == EINTR);
     int err = errno;
     close(fd);
@@ -111,7 +116,7 @@ static int load_one(const kv_item *it, size_t nbytes, int direct, kv_bufs *b) {
     if (checksum(kind, head, FIXED + klen) != be32(head + FIXED + klen)) return ST_HEADER;
     if (klen != it->klen || memcmp(head + FIXED, it->key, klen) != 0) return ST_KEY;
     if (length != nbytes) return ST_LENGTH;
-    if ((size_t)got != HEADER_SIZE + nbytes) return ST_SHORT;
+    if (!whole || (size_t)got != HEADER_SIZE + nbytes) return ST_SHORT; /* torn, or trailing bytes */
     if (checksum(kind, dest, nbytes) != crc) return ST_CHECKSUM;
     if (dest != it->slot) memcpy(it->slot, dest, nbytes);
     return ST_OK;

@@ -286,7 +286,10 @@ def read_block_into(path: str, key: bytes, slot: memoryview | None, nbytes: int,
     except FileNotFoundError:
         raise BlockFileError("missing", path) from None
     try:
-        got = os.preadv(fd, [bufs.header_view, dest], 0)
+        # A file of another size is read as far as its header only: an O_DIRECT read past the
+        # end of a file zeroes the rest of the buffer (seen here), which would clobber the slot.
+        whole = os.fstat(fd).st_size == HEADER_SIZE + nbytes
+        got = os.preadv(fd, [bufs.header_view, dest] if whole else [bufs.header_view], 0)
     finally:
         os.close(fd)
     if got < HEADER_SIZE:
@@ -294,8 +297,8 @@ def read_block_into(path: str, key: bytes, slot: memoryview | None, nbytes: int,
     _k, length, crc, kind = read_header(bufs.header_view, key)
     if length != nbytes:
         raise BlockFileError("length", f"payload of {length} bytes, a block holds {nbytes}")
-    if got != HEADER_SIZE + nbytes:
-        raise BlockFileError("short", f"{got - HEADER_SIZE} of {nbytes} payload bytes")
+    if not whole or got != HEADER_SIZE + nbytes:
+        raise BlockFileError("short", f"the file is not header + {nbytes} payload bytes")
     fn = checksum_for(kind)
     assert fn is not None  # read_header checked it
     if fn(dest) != crc:
