@@ -56,6 +56,6 @@ class PublisherHealth:
     join_retries: int = 0  #: late join: initial replay requests sent again (no answer in time)
     reconnects: int = 0  #: the publisher came back over a new connection (each one is checked for a restart)
     unverified_resets: int = 0  #: RESETs on a reconnect that could not be checked (no replay endpoint, no answer)
-    #: bind mode: live batches dropped at a reconnect, from the connection the publisher left (or not
-    #: told apart from it): the old run's tail after the RESET, or new-run seqs inside its GAP / replay
+    #: live batches dropped at a reconnect, from the connection the publisher left (or not told apart
+    #: from it): the old run's tail after the RESET, or new-run seqs inside its GAP / replay
     old_conn_dropped: int = 0

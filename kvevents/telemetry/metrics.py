@@ -96,7 +96,7 @@ METRICS: tuple[MetricSpec, ...] = (
        "RESETs on a reconnect that could not be checked (no replay endpoint, or the check went unanswered).",
        _S, "subscriber", "health()[p].unverified_resets"),
     _m("kvevents.subscriber.old_conn_dropped", COUNTER, "{batch}",
-       "Bind mode: live batches dropped at a reconnect, from the connection the publisher left or not told apart from it.",
+       "Live batches dropped at a reconnect: the old connection's unread tail, or batches not told apart from it.",
        _S, "subscriber", "health()[p].old_conn_dropped"),
     _m("kvevents.subscriber.publishers.refused", COUNTER, "{frame}",
        "Bind mode: frames under a new topic refused at max_publishers (no silent publisher to expire).",

@@ -186,3 +186,33 @@ def test_the_old_connections_unread_batches_after_a_reconnect_go_with_the_old_ru
     assert all(d.batch.ts >= batch(2000).ts for d in after), \
         f"run 1's batches delivered as run 2's: {[d.seq for d in after if d.batch.ts < batch(2000).ts][:10]}"
     assert [d.seq for d in after] == list(range(len(after)))
+
+
+def test_a_reconnect_no_poll_reported_still_comes_before_the_new_runs_frames() -> None:
+    """Every poll's readiness snapshot predates the SUB socket's monitor reporting the reconnect
+    (a starved subscriber thread: the new run's frames are queued by the time the socket is
+    drained), here forced by a poller that never reports the monitor. Before: the frames were used
+    first, as a gap that the new run's replay healed (a splice), and the reconnect was never seen."""
+    ep, rep = ipc_pair()
+    sub = Subscriber([(ep, rep, "p")], tail_probe_after=None, replay_timeout=60.0)
+    real = sub._poller.poll
+    monitors = {p.monitor for p in sub._peers.values()}
+    sub._poller.poll = lambda timeout=None: [(s, e) for s, e in real(timeout) if s not in monitors]
+    pub = None
+    try:
+        last = _old_run(sub, ep, rep)
+        pub = _new_run(ep, rep, last + 5)
+        got = collect(sub, lambda g: RESET in [d.kind for d in g] and len(seqs(g)) >= 6,
+                      pump=lambda: pub.publish(batch(2100)))
+    finally:
+        sub.close()
+        if pub is not None:
+            pub.shutdown()
+    kinds = [d.kind for d in got]
+    assert RESET in kinds, f"the new run spliced onto the old one: {[(d.kind.value, d.seq) for d in got][:8]}"
+    before = [d for d in got[:kinds.index(RESET)] if d.kind is not RESET]
+    assert not before, f"the new run spliced onto the old one: {[(d.kind.value, d.seq) for d in before][:5]}"
+    after = got[kinds.index(RESET) + 1:]
+    assert after[0].kind is GAP and (after[0].seq, after[0].missed) == (0, last + 5)
+    assert [d.batch for d in after[1:7]] == [batch(2000 + i) for i in range(6)]
+    assert sub.health()["p"].reconnects == 1

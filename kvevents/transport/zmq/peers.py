@@ -14,9 +14,11 @@ publisher is a new connection, so when the SUB socket's monitor reports a reconn
 see :mod:`.conns`) the peer is *suspect*: the subscriber holds live batches and asks for replay
 from the anchor's seq; the publisher's copy of that batch must be the anchor's payload. Another
 payload under that seq, or no batch at it at all (the new ring is behind, or has moved past
-it), means another run: RESET, then the new run from seq 0. The monitor's event precedes the
-new connection's first message (the handshake completes before data flows, and the monitor is
-polled before the SUB socket), so the new run's batches are held, not spliced. Until the
+it), means another run: RESET, then the new run from seq 0. The monitor's event is queued before
+the new connection's first message (the handshake completes before data flows), and a drain's
+frames are used only after the monitor has been read again (``RestartDetection._drain_live``),
+so the new run's batches are held, not spliced, however late the event is read. Without a
+replay endpoint the reconnect is a RESET itself (``unverified_resets``). Until the
 check's answer every request the peer makes is such a check (an idle probe in flight when the
 reconnect comes becomes one), and a check left unanswered with live batches held is a RESET
 (``unverified_resets``): what cannot be verified is not spliced on.
@@ -56,7 +58,7 @@ class Peer:
 
     __slots__ = ("name", "replay_endpoint", "sub", "dealer", "monitor", "tracker", "anchor_seq", "anchor",
                  "anchor_run", "checking", "check_kind", "check_run", "connects", "probe_ivl", "probed_at", "gone", "bind",
-                 "suspect", "conn", "old", "settled", "old_held", "old_next")
+                 "suspect", "conn", "old", "settled", "old_held", "old_next", "epoch", "window")
 
     def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker, bind: bool = False) -> None:
         self.name = name
@@ -83,6 +85,10 @@ class Peer:
         #: after a restart was found: the old run's next seq, while its unread frames may still come
         self.old_next = -1
         self.connects = 0  #: SUB socket connections made (a second one is a reconnect)
+        #: connect mode: drains of the SUB socket that ended in EAGAIN, and the value it had at an
+        #: unverifiable reconnect (frames read up to then may be either run's: dropped; -1: none)
+        self.epoch = 0
+        self.window = -1
         self.probe_ivl = 0.0
         self.probed_at = 0.0
         self.gone = False  #: expired from the table (its heap entry is skipped)

@@ -6,8 +6,11 @@
 * :meth:`RestartDetection._reconnected`: bind mode's reconnect, with or without a replay
   endpoint to check against;
 * :meth:`RestartDetection._restart`: RESET, then the new run from seq 0;
-* :meth:`RestartDetection._drain_bind`: the bound socket's drain, which reads what the monitor
-  queued meanwhile before it uses a frame.
+* :meth:`RestartDetection._drain_bind` / :meth:`RestartDetection._drain_live`: a drain of the
+  bound socket / of a connect-mode SUB socket, which reads what the monitor queued meanwhile
+  before it uses a frame (a reconnect reported late still comes before the new run's frames);
+* :meth:`RestartDetection._connect_reconnected`: connect mode's reconnect: the check, or without
+  a replay endpoint a RESET and the frames read until the socket runs dry dropped.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from __future__ import annotations
 import zmq
 
 from ...delivery import Delivery
-from .peers import Peer
+from .peers import Peer, reconnected
 
 __all__ = ["RestartDetection"]
 
-NOBLOCK, RCVMORE, SRCFD = zmq.NOBLOCK, zmq.RCVMORE, zmq.SRCFD
+NOBLOCK, RCVMORE, SRCFD, EVENTS, POLLIN = zmq.NOBLOCK, zmq.RCVMORE, zmq.SRCFD, zmq.EVENTS, zmq.POLLIN
 #: messages taken from one socket per poll: keeps publishers fair and the deliveries a poll
 #: holds (and the garbage collector scans) small
 DRAIN = 64
@@ -58,6 +61,56 @@ class RestartDetection:
             if tap is not None:
                 tap(None, "pub", frames)
             self._on_live(None, frames, now, out, fd)
+
+    def _drain_live(self, peer: Peer, sock: zmq.Socket, now: float, out: list[Delivery]) -> None:
+        """Connect mode: read a drain of ``peer``'s SUB socket, then its monitor (a reconnect
+        reported meanwhile comes before any of those frames is used), then use them."""
+        recv = sock.recv
+        more = sock.getsockopt
+        msgs = []
+        read_at = peer.epoch
+        for _ in range(DRAIN):  # frame by frame: pyzmq's recv_multipart costs ~2x as much per message
+            try:
+                frames = [recv(NOBLOCK)]
+            except zmq.Again:
+                peer.epoch += 1
+                break
+            while more(RCVMORE):
+                frames.append(recv())
+            msgs.append(frames)
+        if peer.monitor.getsockopt(EVENTS) & POLLIN and reconnected(peer):
+            self._connect_reconnected(peer, now, out)
+        tap = self.tap
+        # read before the old connection was known to be exhausted after an unverifiable
+        # reconnect: the old run's tail or the new run's start, which cannot be told apart
+        stale = read_at <= peer.window
+        for frames in msgs:
+            if tap is not None:
+                tap(peer.name, "pub", frames)
+            if stale:
+                peer.tracker.health.old_conn_dropped += 1
+                continue
+            self._on_live(peer, frames, now, out)
+
+    def _connect_reconnected(self, peer: Peer, now: float, out: list[Delivery]) -> None:
+        """Connect mode: ``peer``'s SUB socket connected again. With a replay endpoint, the check;
+        without one nothing can verify the run: a RESET (counted as unverified). ZeroMQ keeps
+        the socket's queue across the reconnect, so the old connection's unread frames come
+        first, then the new one's; they are told apart only once the socket has run dry after
+        this (``peer.window``): what is read before that is dropped (``old_conn_dropped``) — the
+        old run's are superseded by the RESET, the new run's lie inside the GAP before its
+        first delivered batch."""
+        tracker = peer.tracker
+        tracker.health.reconnects += 1
+        if peer.replay_endpoint:
+            self._check_reconnect(peer, now, new_connection=True)
+            return
+        if tracker.expected is not None:  # (nothing delivered yet: nothing to reset)
+            out.extend(tracker.restarted(now, verified=False))
+            peer.anchor, peer.anchor_seq = None, -1
+        peer.window = peer.epoch
+        if not peer.sub.getsockopt(EVENTS) & POLLIN:
+            peer.epoch += 1  # nothing left to read: as good as an EAGAIN
 
     def _check_reconnect(self, peer: Peer, now: float, new_connection: bool = False) -> None:
         """The publisher reconnected: maybe another run. Hold live batches, replay from the anchor

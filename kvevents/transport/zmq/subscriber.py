@@ -174,9 +174,9 @@ class Subscriber(RestartDetection, EventSource):
     def _add_peer(self, spec: PublisherSpec) -> None:
         peer = self._make_peer(spec.name or spec.endpoint, spec.replay_endpoint)
         peer.sub = self._new_sub()
-        if spec.replay_endpoint:  # reconnects trigger the restart check (see .peers)
-            peer.monitor = peer.sub.get_monitor_socket(zmq.EVENT_CONNECTED)
-            self._register(peer.monitor, "monitor", peer)
+        # reconnects trigger the restart check (see .peers), or without a replay endpoint a RESET
+        peer.monitor = peer.sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._register(peer.monitor, "monitor", peer)
         peer.sub.connect(spec.endpoint)
         self._register(peer.sub, "live", peer)
         self._send_request(peer)
@@ -225,8 +225,7 @@ class Subscriber(RestartDetection, EventSource):
                 continue
             if kind == "monitor":
                 if reconnected(peer):
-                    peer.tracker.health.reconnects += 1
-                    self._check_reconnect(peer, now, new_connection=True)
+                    self._connect_reconnected(peer, now, out)
                 continue
             if kind == "bindmon":  # then the socket: a close read is followed by an EAGAIN (.conns)
                 self._conns.read_events()
@@ -235,8 +234,9 @@ class Subscriber(RestartDetection, EventSource):
             if kind == "bind":
                 self._drain_bind(sock, now, out)
                 continue
-            if tap is not None:
-                where = ("replay" if kind == "replay" else "pub", peer.name)
+            if kind == "live":
+                self._drain_live(peer, sock, now, out)
+                continue
             recv = sock.recv
             more = sock.getsockopt
             for _ in range(_DRAIN):  # bounded drain per socket keeps publishers fair
@@ -248,13 +248,10 @@ class Subscriber(RestartDetection, EventSource):
                 while more(RCVMORE):
                     frames.append(recv())
                 if tap is not None:
-                    tap(where[1], where[0], frames)
-                if kind == "replay":
-                    self._on_replay(peer, frames, now, out)
-                    if peer.dealer is not sock:
-                        break
-                else:
-                    self._on_live(peer, frames, now, out)
+                    tap(peer.name, "replay", frames)
+                self._on_replay(peer, frames, now, out)
+                if peer.dealer is not sock:
+                    break
         table = self._table
         if table.probe_after is not None:
             for peer in table.due_probes(now):
