@@ -198,3 +198,44 @@ class BindSim:
         for real in self._real:
             s._by_sock[real] = ("bind", None)
         s.close()
+
+
+class ConnectSim(BindSim):
+    """The same for one connect-mode publisher ``name``: its SUB socket and its monitor. ZeroMQ
+    keeps a connecting SUB's queue across reconnects, so the old connection's unread frames and
+    the new one's are one pipe (``pipe``), in order; ``reconnect()`` queues the monitor's
+    ``EVENT_CONNECTED`` (the first connection's is queued at the start)."""
+
+    def __init__(self, subscriber, name: str) -> None:  # noqa: D107 - (BindSim's set-up, per peer)
+        self.events = deque()
+        self.conns = []
+        self.turn = 0
+        self.taken = 0
+        self.hooks = {}
+        self.sub, self.monitor = _Sub(self), _Monitor(self)
+        s = subscriber
+        peer = s._peers[name]
+        self._real = (peer.sub, peer.monitor)
+        self._peer = peer
+        for real in self._real:
+            del s._by_sock[real]
+        s._by_sock[self.monitor] = ("monitor", peer)
+        s._by_sock[self.sub] = ("live", peer)
+        peer.sub, peer.monitor = self.sub, self.monitor
+        s._poller = _Poller(self)
+        self.subscriber = s
+        self.pipe = Conn(self, 7)
+        self.conns.append(self.pipe)
+        self.reconnect()
+
+    def reconnect(self) -> None:
+        self.events.append((zmq.EVENT_CONNECTED, 7))
+
+    def close(self) -> None:
+        s, peer = self.subscriber, self._peer
+        for fake in (self.sub, self.monitor):
+            s._by_sock.pop(fake, None)
+        peer.sub, peer.monitor = self._real
+        s._by_sock[peer.sub] = ("live", peer)
+        s._by_sock[peer.monitor] = ("monitor", peer)
+        s.close()

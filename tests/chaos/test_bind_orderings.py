@@ -8,6 +8,8 @@ test_bind_restart.py hit them about 4 times in 85 runs)."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 from kvevents import DeliveryKind, Subscriber
@@ -220,3 +222,29 @@ def test_a_connection_carrying_two_topics_is_followed_per_topic() -> None:
         r = judge(mine)
         assert r["splices"] == 0 and r["resets"] == 1 and h[topic].reconnects == 1, (topic, r, h[topic])
         assert [d.seq for d in mine if d.kind is BATCH][-3:] == list(range(NEW_RUN, NEW_RUN + 3))
+
+
+def test_a_window_that_never_runs_dry_closes_by_count() -> None:
+    """The subscriber never catches up after the restart (the socket never says EAGAIN): the
+    frames that cannot be placed are dropped only up to what the dead connection's pipe can hold
+    (its receive HWM and a drain, twice for the two pipes taken in turn); then run 2 is followed."""
+    from kvevents.transport.zmq.restarts import tail_bound
+
+    sub = Subscriber(bind=f"tcp://127.0.0.1:{free_tcp_port()}", tail_probe_after=None, rcvhwm=4)
+    sim = BindSim(sub)
+    bound = tail_bound(4, 2)
+    try:
+        a, got = _old_run(sim, 9)
+        a.send(T, 1, 41, 42)
+        a.close()
+        b = sim.accept(9).send(T, 2, *range(NEW_RUN, NEW_RUN + bound + 200))
+        while RESET not in [d.kind for d in got]:
+            got += sub.poll(0)
+            assert sim.readable(), "the socket ran dry: the window closed by EAGAIN, not by count"
+        got += sim.poll_all()
+    finally:
+        sim.close()
+    _check(got, sub, replay=False)
+    assert sub.health()[T].old_conn_dropped == bound
+    assert [d.seq for d in got if d.kind is BATCH][-1] == NEW_RUN + bound + 199
+    assert b.frames == deque()

@@ -13,6 +13,7 @@ from ..pubsub_helpers import collect, ipc_pair
 from .kill9 import judge, run_of, start_publisher
 
 BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
+NEW = 100_000
 
 
 def _batches_of(got, run: int) -> int:
@@ -47,3 +48,62 @@ def test_connect_mode_restart_without_replay_past_the_old_seq_is_a_reset_not_a_s
     h = sub.health()["p"]
     assert (h.reconnects, h.resets, h.unverified_resets) == (1, 1, 1), h
     assert sub.stats()["unverified_resets"] == 1
+
+
+def _connect_sim(rcvhwm: int = 100_000):
+    from .bindsim import ConnectSim
+
+    sub = Subscriber([(ipc_pair()[0], None, "p")], tail_probe_after=None, rcvhwm=rcvhwm)
+    return sub, ConnectSim(sub, "p")
+
+
+def test_reconnect_reported_after_the_new_runs_frames_were_read_is_still_a_reset_first() -> None:
+    """Scripted: run 1's last frames are unread, the SUB reconnects and run 2's frames queue behind
+    them in the same pipe; the monitor's CONNECTED is queued only while a drain reads them (the
+    poll's snapshot predates it). Nothing read before the socket runs dry after the reconnect is
+    delivered (old tail or new start, no mark between): RESET, then run 2."""
+    sub, sim = _connect_sim()
+    try:
+        sim.pipe.send("", 1, *range(30))
+        got = sim.poll_all()
+        assert [d.seq for d in got] == list(range(30))
+        sim.pipe.send("", 1, 30, 31)
+
+        def restart() -> None:
+            sim.reconnect()
+            sim.pipe.send("", 2, *range(NEW, NEW + 3))
+
+        sim.at_recv(sim.taken + 1, restart)
+        got += sim.poll_all()
+        sim.pipe.send("", 2, NEW + 3, NEW + 4)
+        got += sim.poll_all()
+    finally:
+        sim.close()
+    r = judge(got)
+    assert r["splices"] == 0 and r["resets"] == 1, r
+    after = got[[d.kind for d in got].index(RESET) + 1:]
+    assert [(d.kind, d.seq) for d in after] == [(GAP, 0), (BATCH, NEW + 3), (BATCH, NEW + 4)]
+    h = sub.health()["p"]
+    assert (h.reconnects, h.unverified_resets, h.old_conn_dropped) == (1, 1, 5), h
+
+
+def test_a_reconnect_window_that_never_runs_dry_closes_by_count() -> None:
+    """The SUB socket never runs dry after the reconnect: what is dropped is bounded by what the
+    old connection can have left unread (receive HWM and a drain); then run 2 is delivered."""
+    from kvevents.transport.zmq.restarts import tail_bound
+
+    sub, sim = _connect_sim(rcvhwm=4)
+    bound = tail_bound(4)
+    try:
+        sim.pipe.send("", 1, *range(10))
+        got = sim.poll_all()
+        sim.reconnect()
+        sim.pipe.send("", 2, *range(NEW, NEW + bound + 100))
+        while not [d for d in got if d.kind is BATCH and run_of(d) == 2]:
+            got += sub.poll(0)
+            assert sim.readable(), "the socket ran dry: the window closed by EAGAIN, not by count"
+    finally:
+        sim.close()
+    h = sub.health()["p"]
+    assert h.old_conn_dropped == bound and h.unverified_resets == 1, h
+    assert judge(got)["splices"] == 0

@@ -59,7 +59,7 @@ SAME, NEW, DROP = 0, 1, 2
 class Conn:
     """One accepted connection, from its accept to its close."""
 
-    __slots__ = ("fd", "open", "peers", "closed_at", "prev")
+    __slots__ = ("fd", "open", "peers", "closed_at", "prev", "tail_left")
 
     def __init__(self, fd: int, prev: "Conn | None") -> None:
         self.fd = fd
@@ -69,19 +69,26 @@ class Conn:
         self.closed_at = -1
         #: the connection that had this descriptor number before (closed), maybe not yet exhausted
         self.prev = prev
+        #: once closed: frames that may still be its own before it is exhausted whatever the
+        #: socket says (its unread tail is bounded by the receive HWM); -1: no bound
+        self.tail_left = -1
 
     def may_hold(self, read_epoch: int) -> bool:
         """Can a frame read at ``read_epoch`` have come over this connection?"""
-        return self.open or read_epoch <= self.closed_at
+        return self.open or (read_epoch <= self.closed_at and self.tail_left != 0)
 
 
 class BindConnections:
     """The bound SUB socket's connections, and the attribution of publishers' frames to them."""
 
-    __slots__ = ("monitor", "by_fd", "fresh", "epoch", "read_epoch", "post_new", "olds", "unbound", "closes")
+    __slots__ = ("monitor", "by_fd", "fresh", "epoch", "read_epoch", "post_new", "olds", "unbound", "closes",
+                 "tail_bound")
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket, tail_bound: int = -1) -> None:
         self.monitor = sock.get_monitor_socket(_EVENTS)  # before bind(): every accept is seen
+        #: frames that may be a closed connection's before it counts as exhausted even if the
+        #: socket never runs dry (a subscriber that never catches up); -1: none (no receive HWM)
+        self.tail_bound = tail_bound
         self.by_fd: dict[int, Conn] = {}  #: the latest connection per descriptor number
         self.fresh: dict[int, Conn] = {}  #: accepted, no publisher named yet
         self.epoch = 0  #: drains of the socket that ended in EAGAIN
@@ -123,6 +130,7 @@ class BindConnections:
             return
         conn.open = False
         conn.closed_at = self.epoch
+        conn.tail_left = self.tail_bound
         self.closes += 1
         self.fresh.pop(fd, None)
         for peer in conn.peers:
@@ -167,6 +175,9 @@ class BindConnections:
         else:
             cands = tuple(c for c in (cur, old) if c is not None and c.may_hold(r))
             cands += tuple(c for c in self.post_new if not c.peers)
+        for c in cands:
+            if c.tail_left > 0:
+                c.tail_left -= 1  # (0: exhausted, told by count)
         if len(cands) > 1:  # one publisher per connection: not one that carries others
             cands = tuple(c for c in cands if not c.peers or peer in c.peers) or cands
         if len(cands) == 1:

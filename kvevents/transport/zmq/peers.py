@@ -58,7 +58,7 @@ class Peer:
 
     __slots__ = ("name", "replay_endpoint", "sub", "dealer", "monitor", "tracker", "anchor_seq", "anchor",
                  "anchor_run", "checking", "check_kind", "check_run", "connects", "probe_ivl", "probed_at", "gone", "bind",
-                 "suspect", "conn", "old", "settled", "old_held", "old_next", "epoch", "window")
+                 "suspect", "conn", "old", "settled", "old_held", "old_next", "epoch", "window", "window_left")
 
     def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker, bind: bool = False) -> None:
         self.name = name
@@ -89,6 +89,7 @@ class Peer:
         #: unverifiable reconnect (frames read up to then may be either run's: dropped; -1: none)
         self.epoch = 0
         self.window = -1
+        self.window_left = -1  #: frames still to drop in that window before it closes by count (-1: no bound)
         self.probe_ivl = 0.0
         self.probed_at = 0.0
         self.gone = False  #: expired from the table (its heap entry is skipped)

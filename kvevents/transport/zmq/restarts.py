@@ -28,6 +28,14 @@ NOBLOCK, RCVMORE, SRCFD, EVENTS, POLLIN = zmq.NOBLOCK, zmq.RCVMORE, zmq.SRCFD, z
 DRAIN = 64
 
 
+def tail_bound(rcvhwm: int, pipes: int = 1) -> int:
+    """Frames read after a reconnect was seen, beyond which the old connection's unread tail is
+    surely gone even if the socket never runs dry: its pipe holds at most the receive HWM (and a
+    half HWM of unacknowledged reads), plus a drain read before the event was; a reused
+    descriptor number has the old and the new pipe taken in turn (``pipes`` 2). -1: no HWM."""
+    return pipes * (rcvhwm * 3 // 2 + 2 + DRAIN) if rcvhwm > 0 else -1
+
+
 class RestartDetection:
     """Mixed into ``Subscriber``: uses its ``_conns``, ``_send_request``, ``_on_live``, ``tap``."""
 
@@ -83,12 +91,19 @@ class RestartDetection:
         tap = self.tap
         # read before the old connection was known to be exhausted after an unverifiable
         # reconnect: the old run's tail or the new run's start, which cannot be told apart
-        stale = read_at <= peer.window
+        stale = 0
+        if read_at <= peer.window:
+            stale = len(msgs) if peer.window_left < 0 else min(len(msgs), peer.window_left)
+            if peer.window_left >= 0:
+                peer.window_left -= stale
+                if not peer.window_left:
+                    peer.window = -1  # exhausted by count: the socket never ran dry
+            peer.tracker.health.old_conn_dropped += stale
         for frames in msgs:
             if tap is not None:
                 tap(peer.name, "pub", frames)
             if stale:
-                peer.tracker.health.old_conn_dropped += 1
+                stale -= 1
                 continue
             self._on_live(peer, frames, now, out)
 
@@ -109,6 +124,7 @@ class RestartDetection:
             out.extend(tracker.restarted(now, verified=False))
             peer.anchor, peer.anchor_seq = None, -1
         peer.window = peer.epoch
+        peer.window_left = tail_bound(self._rcvhwm)
         if not peer.sub.getsockopt(EVENTS) & POLLIN:
             peer.epoch += 1  # nothing left to read: as good as an EAGAIN
 

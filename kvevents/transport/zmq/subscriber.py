@@ -36,7 +36,7 @@ from .endpoints import probe_replay_endpoint, validate_endpoint
 from .frames import is_end_marker, is_replay_answer, replay_request
 from .peers import Peer, PeerTable, reconnected
 from .restarts import DRAIN as _DRAIN
-from .restarts import RestartDetection
+from .restarts import RestartDetection, tail_bound
 
 __all__ = ["Subscriber", "PublisherSpec"]
 
@@ -113,7 +113,7 @@ class Subscriber(RestartDetection, EventSource):
             if bind is not None:
                 validate_endpoint(bind, what="bind endpoint")
                 sock = self._new_sub()
-                self._conns = BindConnections(sock)  # its monitor first: polled before the socket
+                self._conns = BindConnections(sock, tail_bound(rcvhwm, 2))  # its monitor first: polled before the socket
                 self._register(self._conns.monitor, "bindmon", None)
                 sock.bind(bind)
                 self._bind_sub = sock
