@@ -58,18 +58,25 @@ def run_of(d) -> int:
 
 
 def kill_restart_rounds(rounds: int, rnd: random.Random, *, sub_timeout: float = 30.0,
-                        bind: bool = False) -> dict[str, int]:
+                        bind: bool = False, replay: bool = True,
+                        tail_probe_after: float | None = 1.0) -> dict[str, int]:
     """A publisher process killed -9 after a random number of its batches arrived, and started
     again on the same endpoints, ``rounds`` times; the deliveries judged. ``bind``: the subscriber
-    binds (tcp loopback) and the publishers connect to it under one topic."""
+    binds (tcp loopback) and the publishers connect to it under one topic. ``replay`` False: the
+    publishers have no replay socket and the subscriber no replay endpoint (each reconnect is a
+    RESET that cannot be verified). ``tail_probe_after``: the subscriber's idle probe (a restart
+    slower than it is found by the probe, and a run killed before its live frames arrive then
+    counts no reconnect: its connection never carried a frame)."""
     pub_ep, rep_ep = ipc_pair()
-    extra: tuple[str, ...] = ()
+    extra: tuple[str, ...] = () if replay else ("--no-replay",)
     if bind:
         pub_ep = f"tcp://127.0.0.1:{free_tcp_port()}"
-        sub = Subscriber(bind=pub_ep, replay_endpoints={"kv@p@m": rep_ep}, replay_timeout=2.0)
-        extra = ("--connect", "kv@p@m")
+        sub = Subscriber(bind=pub_ep, replay_endpoints={"kv@p@m": rep_ep} if replay else {}, replay_timeout=2.0,
+                         tail_probe_after=tail_probe_after)
+        extra += ("--connect", "kv@p@m")
     else:
-        sub = Subscriber([(pub_ep, rep_ep)], replay_timeout=2.0)
+        sub = Subscriber([(pub_ep, rep_ep if replay else None)], replay_timeout=2.0,
+                         tail_probe_after=tail_probe_after)
     got = []
     proc = start_publisher(pub_ep, rep_ep, 1, *extra)
     try:

@@ -62,7 +62,9 @@ def test_kill_9_of_a_late_joining_subscriber_continues_correctly():
 
 
 def test_kill_9_of_a_bind_mode_publisher_at_random_points_never_splices():
-    """The publisher connects to the subscriber's bound socket: restarts are found from the connections."""
-    r = kill_restart_rounds(3, random.Random(4321), bind=True)
+    """The publisher connects to the subscriber's bound socket: restarts are found from the connections.
+    (No idle probe: a restart slower than it, as on a loaded machine, is found by the probe, and a
+    run killed before its first live frame then counts no reconnect.)"""
+    r = kill_restart_rounds(3, random.Random(4321), bind=True, tail_probe_after=None)
     assert r["splices"] == 0 and r["disorder"] == 0, r
     assert r["resets"] == r["restarts"] == r["reconnects"], r
