@@ -21,6 +21,9 @@ What libzmq guarantees, and what the subscriber's thread sees of it on a starved
 * a closed connection's unread frames stay readable after its close, taken in turn with the
   other connections' — the new run's among them. Once the socket has said "nothing more"
   (``EAGAIN``) after a close was read, the closed connection has nothing left (**exhausted**);
+  so too, for a subscriber that never catches up, once more frames that could be its own were
+  read than its pipe can hold (``tail_bound``: the receive HWM and a drain, twice: a reused
+  number's old and new pipes are taken in turn);
 * descriptor numbers are reused: the new connection of a restarted publisher usually gets the
   dead one's number. A frame's source descriptor (``zmq.SRCFD``, ~1 µs a frame, read only
   while some connection needs attributing) then names either of them.
