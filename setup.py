@@ -26,5 +26,14 @@ setup(
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
         ),
+        # the replay server's socket work off the GIL (kvevents/transport/zmq/_native.py falls back
+        # to Python without it)
+        Extension(
+            "kvevents.transport.zmq._zmqio",
+            sources=["kvevents/transport/zmq/_zmqio.c"],
+            optional=True,
+            extra_compile_args=["-O2", "-Wall"],
+            libraries=["dl"],
+        ),
     ]
 )

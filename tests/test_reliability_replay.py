@@ -82,7 +82,7 @@ def test_a_small_replay_is_not_starved_by_many_large_ones() -> None:
     big = [_dealer(rep) for _ in range(50)]
     small = _dealer(rep)
     try:
-        n = 1000
+        n = 4000  # large enough that the large replays outlast the test's own reaction time (the C sends are fast)
         for i in range(n):
             pub.publish(batch(i))
         assert collect_until(lambda: pub.stats()["ring_batches"] == n)

@@ -168,7 +168,7 @@ class ZmqEventPublisher(EventPublisher):
             else:
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint:
-                self._replay = ReplayServer.bind(self._ctx, self.replay_endpoint, self._ring, self._stats,
+                self._replay = ReplayServer.bind(None, self.replay_endpoint, self._ring, self._stats,
                                                  rate=replay_rate, burst=replay_burst, hooks=lambda: self.hooks,
                                                  client_bytes=replay_client_bytes, total_bytes=replay_buffer_bytes,
                                                  stall_timeout=replay_stall_timeout)
