@@ -40,6 +40,7 @@ from ...publisher_base import EventPublisher, PublisherStats, ShutdownReport, _R
 from .endpoints import offset_endpoint, should_bind, validate_endpoint
 from .frames import END_SEQ, pack_seq as _pack_seq
 from .replay import ReplayServer
+from .sched import batch_thread
 
 __all__ = ["ZmqEventPublisher", "OVERFLOW_POLICIES", "END_SEQ"]
 
@@ -168,7 +169,7 @@ class ZmqEventPublisher(EventPublisher):
             else:
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint:
-                self._replay = ReplayServer.bind(None, self.replay_endpoint, self._ring, self._stats,
+                self._replay = ReplayServer.bind(self._ctx, self.replay_endpoint, self._ring, self._stats,
                                                  rate=replay_rate, burst=replay_burst, hooks=lambda: self.hooks,
                                                  client_bytes=replay_client_bytes, total_bytes=replay_buffer_bytes,
                                                  stall_timeout=replay_stall_timeout)
@@ -282,6 +283,7 @@ class ZmqEventPublisher(EventPublisher):
             return None
 
     def _run_live(self) -> None:
+        batch_thread()  # publish() wakes this thread: it must not preempt the caller (see .sched)
         try:
             self._live_loop()
         finally:  # this thread owns the PUB socket: it closes it, lingering until the deadline

@@ -37,7 +37,6 @@ helper the same work runs in Python.
 from __future__ import annotations
 
 import errno
-import os
 import threading
 import time
 from bisect import bisect_left
@@ -51,6 +50,7 @@ import zmq
 from ...publisher_base import PublisherStats, _Ring
 from ._native import NATIVE
 from .frames import END_SEQ, SEQ_BYTES, parse_replay_request
+from .sched import batch_thread, lower_io_threads
 
 __all__ = ["ReplayServer"]
 
@@ -64,37 +64,12 @@ MSG_OVERHEAD = 5 * 64
 #: most requests received in one call of the C helper
 RECV_BURST = 256
 #: ZMQ_THREAD_NAME_PREFIX of the replay sockets' own contexts: their I/O threads are named
-#: "1010/ZMQbg/IO/<n>" (libzmq 4.3 takes an int), which is how _lower_io_priority finds them
+#: "1010/ZMQbg/IO/<n>" (libzmq 4.3 takes an int), which is how lower_io_threads finds them
 IO_THREAD_PREFIX = 1010
 IO_NICE = 19
 _seq_of = itemgetter(0)
 _MORE_NOW = int(zmq.SNDMORE | zmq.NOBLOCK)  # ints: an enum's | runs Python code per frame
 _MORE = int(zmq.SNDMORE)
-
-
-def _lower_io_priority() -> int:
-    """Nice this process's replay I/O threads to ``IO_NICE``; how many are at it now.
-
-    Best effort (Linux: a thread is a task with its own nice value; elsewhere nothing happens):
-    the replay server works the same at any priority.
-    """
-    prefix = f"{IO_THREAD_PREFIX}/ZMQbg/IO/"
-    done = 0
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return 0
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if not f.read().startswith(prefix):
-                    continue
-            if os.getpriority(os.PRIO_PROCESS, int(tid)) < IO_NICE:
-                os.setpriority(os.PRIO_PROCESS, int(tid), IO_NICE)
-            done += 1
-        except (OSError, ValueError):  # gone meanwhile, or not allowed
-            continue
-    return done
 
 
 class _Mirror:
@@ -217,23 +192,24 @@ class ReplayServer:
         self._thread = threading.Thread(target=self._run, name="kvevents-replay", daemon=True)
 
     @classmethod
-    def bind(cls, ctx: zmq.Context | None, endpoint: str, ring: _Ring, stats: PublisherStats,
+    def bind(cls, ctx: zmq.Context, endpoint: str, ring: _Ring, stats: PublisherStats,
              **kw: Any) -> "ReplayServer":
         """A ROUTER bound on ``endpoint`` (raises zmq.ZMQError; the socket is closed then).
 
-        ``ctx`` None: the socket gets a context of its own, whose I/O thread (the one that reads
-        every byte a replay client sends and writes every byte it is sent) runs at the lowest CPU
-        priority (``IO_NICE``): under hostile replay traffic on a busy machine the engine's
-        threads get the CPU first. (Only that thread: this server's own thread takes the GIL,
-        and a low-priority thread holding the GIL would stall the engine.)
+        Except on ``inproc://`` (whose peers must share ``ctx``) the socket gets a context of its
+        own, whose I/O thread (the one that reads every byte a replay client sends and writes
+        every byte it is sent) runs SCHED_BATCH at the lowest CPU priority (``IO_NICE``): under
+        hostile replay traffic on a busy machine the engine's threads get the CPU first. (Only
+        that thread: this server's own thread takes the GIL, and a low-priority thread holding
+        the GIL would stall the engine.)
         """
-        own = ctx is None
+        own = not endpoint.startswith("inproc://")
         if own:
             ctx = zmq.Context(io_threads=1)
             ctx.set(zmq.THREAD_NAME_PREFIX, IO_THREAD_PREFIX)
         sock = ctx.socket(zmq.ROUTER)  # the context's threads start with its first socket
         if own:
-            _lower_io_priority()
+            lower_io_threads(f"{IO_THREAD_PREFIX}/ZMQbg/IO/", IO_NICE)
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -268,6 +244,7 @@ class ReplayServer:
             self._own_ctx = None
 
     def _run(self) -> None:
+        batch_thread()  # never preempts the engine thread when a request wakes it (see .sched)
         try:
             self._loop()
         finally:

@@ -1,0 +1,155 @@
+"""The replay server's GIL-free socket work (issue 10): the C helper, its Python fallback, the
+ring mirror, and the scheduling of the publisher's own threads."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+from collections import deque
+
+import pytest
+import zmq
+
+from kvevents import ZmqEventPublisher
+from kvevents.transport.zmq import replay as replay_mod
+from kvevents.transport.zmq._native import NATIVE, STATUS
+from kvevents.transport.zmq.replay import _Mirror
+
+from .pubsub_helpers import batch, collect_until, ipc_pair
+
+END = (-1).to_bytes(8, "big", signed=True)
+native = pytest.mark.skipif(NATIVE is None, reason=f"C helper unavailable: {STATUS}")
+
+
+def _router_and_dealer(identity: bytes | None = None) -> tuple[zmq.Socket, zmq.Socket]:
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    ep = ipc_pair()[1]
+    router.bind(ep)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        dealer.setsockopt(zmq.IDENTITY, identity)
+    dealer.connect(ep)
+    return router, dealer
+
+
+@native
+def test_poll_requests_returns_well_formed_requests_and_only_counts_the_rest() -> None:
+    router, dealer = _router_and_dealer(b"\x07" * 255)  # the longest identity there is
+    try:
+        for frames in ([b"x"], [b"", b"abc"], [b"", b"\0" * 8, b"more"], [b"\0", b"\0" * 8], [b""] * 5):
+            dealer.send_multipart(frames)
+        dealer.send_multipart([b"", (2**64 - 2).to_bytes(8, "big")])
+        dealer.send_multipart([b"", (5).to_bytes(8, "big")])
+        got, malformed = [], 0
+        while len(got) < 2:
+            reqs, bad, err = NATIVE.poll_requests(router.underlying, 1000, 256)
+            assert err == 0
+            got += reqs
+            malformed += bad
+        assert got == [(b"\x07" * 255, 2**64 - 2), (b"\x07" * 255, 5)]
+        assert malformed == 5
+        assert NATIVE.poll_requests(router.underlying, 0, 256) == ([], 0, 0)  # nothing waiting
+        assert NATIVE.poll_requests(router.underlying, 20, 256) == ([], 0, 0)  # nothing within 20 ms
+    finally:
+        dealer.close(0)
+        router.close(0)
+
+
+@native
+def test_send_round_sends_answers_and_tracks_the_last_message_of_each_job() -> None:
+    router, dealer = _router_and_dealer(b"me")
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert router.poll(5000)
+        router.recv_multipart()  # the peer is known to the ROUTER now
+        items = [(s, b"t%d" % s, b"p" * s) for s in range(3, 9)]
+        [(sent, nbytes, tracker, err), gone] = NATIVE.send_round(
+            router.underlying, [(b"me", items), (b"nobody", items[:1])], 100)
+        assert (sent, err) == (6, 0)
+        assert nbytes == sum(len(t) + len(p) + 100 for _, t, p in items)
+        assert gone[0] == 0 and gone[2] is None and gone[3] == errno.EHOSTUNREACH  # nothing queued for it
+        for s, t, p in items:
+            assert dealer.poll(5000)
+            assert dealer.recv_multipart() == [b"", t, s.to_bytes(8, "big"), p]
+        assert collect_until(lambda: tracker.done)
+        with pytest.raises(TypeError):
+            NATIVE.send_round(router.underlying, [(b"me", [(1, "str", b"")])], 0)
+    finally:
+        dealer.close(0)
+        router.close(0)
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_a_replay_is_the_same_with_and_without_the_c_helper(monkeypatch, use_native: bool) -> None:
+    if use_native and NATIVE is None:
+        pytest.skip(f"C helper unavailable: {STATUS}")
+    if not use_native:
+        monkeypatch.setattr(replay_mod, "NATIVE", None)
+    ep, rep = ipc_pair()
+    pub = ZmqEventPublisher(ep, rep, buffer_steps=500)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(rep)
+    try:
+        for i in range(700):  # 200 evicted
+            pub.publish(batch(i))
+        assert collect_until(lambda: pub.stats()["batches_published"] == 700)
+        ring = [(s, t, p) for s, t, p in pub._ring.items]
+        for bad in ([b"x"], [b"", b"abc"]):
+            dealer.send_multipart(bad)
+        dealer.send_multipart([b"", (350).to_bytes(8, "big")])
+        got = []
+        while True:
+            assert dealer.poll(5000)
+            frames = dealer.recv_multipart()
+            if frames[2] == END:
+                break
+            got.append((int.from_bytes(frames[2], "big"), frames[1], frames[3]))
+        assert got == [x for x in ring if x[0] >= 350]
+        assert collect_until(lambda: pub.stats()["replays_completed"] == 1)
+        st = pub.stats()
+        assert st["replay_malformed"] == 2 and st["replay_batches_served"] == 350
+    finally:
+        dealer.close(0)
+        pub.shutdown()
+
+
+def test_the_mirror_follows_the_ring_through_appends_and_evictions() -> None:
+    rnd = random.Random(5)
+    ring: deque = deque()
+    mirror = _Mirror(ring)
+    seq = 0
+    for step in range(3000):
+        for _ in range(rnd.choice([0, 1, 1, 3, 40, 2000]) if step % 50 else 5000):  # a tail past MAX_TAIL at times
+            ring.append((seq, b"", b""))
+            seq += 1
+        while len(ring) > 3000 or (ring and rnd.random() < 0.3):
+            ring.popleft()
+        if rnd.random() < 0.02:
+            mirror.clear()
+        mirror.sync()
+        assert mirror.items[mirror.head:] == list(ring)
+        assert all(x is None for x in mirror.items[:mirror.head])  # evicted batches are not kept alive
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_the_publishers_own_threads_never_preempt_the_engine() -> None:
+    """The live thread, the replay thread and the replay socket's I/O thread run SCHED_BATCH
+    (no wake-up preemption of the thread calling publish()); the I/O thread also at nice 19."""
+    ep, rep = ipc_pair()
+    pub = ZmqEventPublisher(ep, rep)
+    try:
+        tids = [pub._thread.native_id, pub._replay._thread.native_id]
+        assert collect_until(lambda: all(os.sched_getscheduler(t) == os.SCHED_BATCH for t in tids))
+        io = [int(t) for t in os.listdir("/proc/self/task")
+              if open(f"/proc/self/task/{t}/comm").read().startswith(f"{replay_mod.IO_THREAD_PREFIX}/ZMQbg/IO/")]
+        assert io
+        assert all(os.sched_getscheduler(t) == os.SCHED_BATCH and os.getpriority(os.PRIO_PROCESS, t) == 19 for t in io)
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is left alone
+    finally:
+        pub.shutdown()
