@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import zmq
 
 from kvevents import ConfigError, ZmqEventPublisher
@@ -76,26 +78,45 @@ def test_a_replay_client_that_never_reads_cannot_grow_the_publisher() -> None:
 
 def test_a_small_replay_is_not_starved_by_many_large_ones() -> None:
     """50 clients ask for the whole ring, then one asks for a single batch: its answer comes in
-    the first round of the fair schedule, long before the large replays are done."""
+    the first rounds of the fair schedule, long before the large replays are done.
+
+    Measured on the server's side, so that neither the server's speed nor the test's own
+    reaction time matters: the rounds wait until all 51 requests are in, and the count of
+    batches served is taken when the small replay ends (its ``on_replay`` hook)."""
     ep, rep = ipc_pair()
     pub = ZmqEventPublisher(ep, rep, replay_rate=10_000.0, replay_burst=1000)
     big = [_dealer(rep) for _ in range(50)]
     small = _dealer(rep)
+    server = pub._replay
+    gate = threading.Event()
+    real_round = server._round
+    server._round = lambda replays, now: real_round(replays, now) if gate.is_set() else False
+    ended: dict[int, int] = {}
+
+    class Hooks:
+        every = 1 << 62  # no batch traced
+
+        def on_replay(self, start: int, served: int, t0: int) -> None:
+            ended.setdefault(start, pub._stats.replay_batches_served)
+
     try:
-        n = 4000  # large enough that the large replays outlast the test's own reaction time (the C sends are fast)
+        n = 1000
         for i in range(n):
             pub.publish(batch(i))
         assert collect_until(lambda: pub.stats()["ring_batches"] == n)
+        pub.hooks = Hooks()
         for d in big:
             d.send_multipart([b"", (0).to_bytes(8, "big")])
-        assert collect_until(lambda: pub.stats()["replay_requests"] == 50)
         small.send_multipart([b"", (n - 1).to_bytes(8, "big")])
+        assert collect_until(lambda: pub.stats()["replay_requests"] == 51)
+        gate.set()
         assert small.poll(10_000)
         frames = small.recv_multipart()
         assert int.from_bytes(frames[2], "big") == n - 1
-        served_then = pub.stats()["replay_batches_served"]
         assert small.poll(10_000) and small.recv_multipart()[2] == END
-        assert served_then < 50 * n // 4, f"{served_then} batches of the large replays went first"
+        assert collect_until(lambda: n - 1 in ended)
+        # one chunk (64 batches) per large replay per round: two rounds' worth, not the rings
+        assert ended[n - 1] <= 2 * 50 * 64 + 1, f"{ended[n - 1]} batches of the large replays went first"
     finally:
         for d in big:
             d.close(0)
