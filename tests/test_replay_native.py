@@ -146,10 +146,11 @@ def test_the_publishers_own_threads_never_preempt_the_engine() -> None:
     try:
         tids = [pub._thread.native_id, pub._replay._thread.native_id]
         assert collect_until(lambda: all(os.sched_getscheduler(t) == os.SCHED_BATCH for t in tids))
-        io = [int(t) for t in os.listdir("/proc/self/task")
-              if open(f"/proc/self/task/{t}/comm").read().startswith(f"{replay_mod.IO_THREAD_PREFIX}/ZMQbg/IO/")]
-        assert io
+        io = pub._replay.io_threads  # its own context's I/O thread, once it has named itself
+        assert collect_until(lambda: len(io) == 1)
         assert all(os.sched_getscheduler(t) == os.SCHED_BATCH and os.getpriority(os.PRIO_PROCESS, t) == 19 for t in io)
+        assert all(open(f"/proc/self/task/{t}/comm").read().startswith(f"{replay_mod.IO_THREAD_PREFIX}/ZMQbg/IO/")
+                   for t in io)
         assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is left alone
     finally:
         pub.shutdown()

@@ -50,7 +50,7 @@ import zmq
 from ...publisher_base import PublisherStats, _Ring
 from ._native import NATIVE
 from .frames import END_SEQ, SEQ_BYTES, parse_replay_request
-from .sched import batch_thread, lower_io_threads
+from .sched import batch_thread, lower_io_threads, threads
 
 __all__ = ["ReplayServer"]
 
@@ -188,6 +188,9 @@ class ReplayServer:
         self.stall_timeout = stall_timeout
         self._closing = False
         self._own_ctx: zmq.Context | None = None
+        self._io_pending: set[int] = set()
+        #: the replay socket's I/O threads running SCHED_BATCH at nice IO_NICE (see bind)
+        self.io_threads: set[int] = set()
         self._mirror = _Mirror(ring.items)
         self._thread = threading.Thread(target=self._run, name="kvevents-replay", daemon=True)
 
@@ -204,12 +207,12 @@ class ReplayServer:
         the GIL would stall the engine.)
         """
         own = not endpoint.startswith("inproc://")
+        before = threads()
         if own:
             ctx = zmq.Context(io_threads=1)
             ctx.set(zmq.THREAD_NAME_PREFIX, IO_THREAD_PREFIX)
         sock = ctx.socket(zmq.ROUTER)  # the context's threads start with its first socket
-        if own:
-            lower_io_threads(f"{IO_THREAD_PREFIX}/ZMQbg/IO/", IO_NICE)
+        started = threads() - before if own else set()
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -223,6 +226,7 @@ class ReplayServer:
             raise
         server = cls(sock, ring, stats, **kw)
         server._own_ctx = ctx if own else None
+        server._io_pending = started  # lowered by the server's thread once they named themselves
         return server
 
     def start(self) -> None:
@@ -265,7 +269,12 @@ class ReplayServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         busy = False  # a replay could send at once
+        tries = 100
         while not self._closing:
+            if self._io_pending and tries:
+                tries -= 1
+                lowered, self._io_pending = lower_io_threads(self._io_pending, f"{IO_THREAD_PREFIX}/ZMQbg/IO/", IO_NICE)
+                self.io_threads |= lowered
             timeout = 0 if busy else 5 if replays else 20 if waiting else 200
             if native is not None:
                 # waits, receives and checks off the GIL: malformed requests never wake this thread

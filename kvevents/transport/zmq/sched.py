@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["batch_thread", "lower_io_threads"]
+__all__ = ["batch_thread", "lower_io_threads", "threads"]
 
 _BATCH = getattr(os, "SCHED_BATCH", None)
 
@@ -33,24 +33,40 @@ def batch_thread(tid: int = 0) -> bool:
         return False
 
 
-def lower_io_threads(prefix: str, nice: int) -> int:
-    """``SCHED_BATCH`` and nice ``nice`` for this process's threads whose name starts with
-    ``prefix`` (libzmq names its I/O threads ``<ZMQ_THREAD_NAME_PREFIX>/ZMQbg/IO/<n>``); how
-    many are at it now. They never take the GIL, so a low priority cannot stall the engine."""
-    done = 0
+def threads() -> set[int]:
+    """This process's thread ids (empty where /proc is missing)."""
     try:
-        tids = os.listdir("/proc/self/task")
+        return {int(t) for t in os.listdir("/proc/self/task")}
     except OSError:
-        return 0
+        return set()
+
+
+def lower_io_threads(tids: set[int], prefix: str, nice: int) -> tuple[set[int], set[int]]:
+    """``SCHED_BATCH`` and nice ``nice`` for those of ``tids`` (threads a ZeroMQ context just
+    started) whose name starts with ``prefix`` (libzmq names its I/O threads
+    ``<ZMQ_THREAD_NAME_PREFIX>/ZMQbg/IO/<n>``). A thread names itself once it runs, so one still
+    under its creator's name stays pending: -> (lowered, pending). Threads named otherwise (the
+    context's reaper, or a thread someone else started meanwhile) are left alone. The I/O
+    threads never take the GIL, so a low priority cannot stall the engine."""
+    lowered, pending = set(), set()
+    try:
+        with open("/proc/self/comm") as f:
+            unnamed = f.read()
+    except OSError:
+        return lowered, pending
     for tid in tids:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                if not f.read().startswith(prefix):
-                    continue
-            if os.getpriority(os.PRIO_PROCESS, int(tid)) < nice:
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-            batch_thread(int(tid))
-            done += 1
+                name = f.read()
+            if name == unnamed:
+                pending.add(tid)
+                continue
+            if not name.startswith(prefix):
+                continue
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            batch_thread(tid)
+            lowered.add(tid)
         except (OSError, ValueError):  # gone meanwhile, or not allowed
             continue
-    return done
+    return lowered, pending
