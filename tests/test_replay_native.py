@@ -14,7 +14,7 @@ import zmq
 from kvevents import ZmqEventPublisher
 from kvevents.transport.zmq import replay as replay_mod
 from kvevents.transport.zmq._native import NATIVE, STATUS
-from kvevents.transport.zmq.replay import _Mirror
+from kvevents.transport.zmq.mirror import RingMirror as _Mirror
 
 from .pubsub_helpers import batch, collect_until, ipc_pair
 
