@@ -87,10 +87,17 @@ def main() -> int:
     @functools.wraps(init)
     def capture(self, *a, **kw):
         init(self, *a, **kw)
-        self.router._learned.max_size = args.learned  # harness only, as the ring and windows
         runs.append(self)
 
     DemoRun.__init__ = capture
+    build = DemoRun.build
+
+    @functools.wraps(build)
+    def small_learned(self):
+        build(self)
+        self.router._learned.max_size = args.learned  # harness only, as the ring and windows
+
+    DemoRun.build = small_learned
     # (t, rss, ring batches, ring bytes, entries, window ids, learned mappings)
     samples: list[tuple[float, float, int, int, int, int, int]] = []
     stop = threading.Event()
