@@ -36,6 +36,29 @@ jr_string_end(const char *p, const char *end)
     return NULL;
 }
 
+/* the value of the 1 to 7 digits at p (8 readable bytes), SWAR: their count, or 0 when the
+ * eight bytes start with no digit or are all digits (the byte loop takes those) */
+static inline int
+jr_digits8(const char *p, uint64_t *out)
+{
+    uint64_t x;
+    memcpy(&x, p, 8);
+    /* a byte's top bit set in m: not an ASCII digit (below '0', or above '9' once 0x46 is added) */
+    uint64_t m = ((x - 0x3030303030303030ULL) | (x + 0x4646464646464646ULL)) & 0x8080808080808080ULL;
+    if (m == 0)
+        return 0;
+    int n = __builtin_ctzll(m) >> 3;
+    if (n == 0)
+        return 0;
+    /* the n digits, first in the lowest byte, moved to the top: the low bytes become leading zeros */
+    uint64_t v = (x - 0x3030303030303030ULL) << (8 * (8 - n));
+    v = v * 10 + (v >> 8);
+    v = (((v & 0x000000FF000000FFULL) * (100 + (1000000ULL << 32))) +
+         (((v >> 16) & 0x000000FF000000FFULL) * (1 + (10000ULL << 32)))) >> 32;
+    *out = v;
+    return n;
+}
+
 static PyObject *
 py_json_request(PyObject *self, PyObject *body)
 {
@@ -49,7 +72,10 @@ py_json_request(PyObject *self, PyObject *body)
     size_t n = 0;
     PyObject *res = NULL;
     p = skip_ws(p, end);
-    if (p >= end || *p != '{')
+    const char *last = end;
+    while (last > p && (last[-1] == ' ' || last[-1] == '\t' || last[-1] == '\n' || last[-1] == '\r'))
+        last--;
+    if (p >= end || *p != '{' || last - p < 2 || last[-1] != '}')
         goto other;
     p = skip_ws(p + 1, end);
     if (p < end && *p == '}')
@@ -97,27 +123,40 @@ py_json_request(PyObject *self, PyObject *body)
                 PyErr_NoMemory();
                 goto done;
             }
+            /* the body's last non-blank byte is '}' (checked above): every loop below stops at
+             * it, so they read no bound */
             p = skip_ws(p + 1, end);
             for (;;) {
-                if (p >= end)
-                    goto other;
                 const char *d0 = p;
                 uint64_t v = 0;
                 unsigned c;
-                while (p < end && (c = (unsigned)(unsigned char)*p - '0') <= 9) {
-                    v = v * 10 + c;
-                    p++;
+                int k = last - p >= 8 ? jr_digits8(p, &v) : 0;
+                if (k) {
+                    p += k;
+                } else {
+                    while ((c = (unsigned)(unsigned char)*p - '0') <= 9) {
+                        v = v * 10 + c;
+                        p++;
+                    }
                 }
-                if (p == d0 || p - d0 > 10 || v >> 32 || (*d0 == '0' && p - d0 > 1) || p >= end ||
+                if (p == d0 || p - d0 > 10 || v >> 32 || (*d0 == '0' && p - d0 > 1) ||
                     *p == '.' || *p == 'e' || *p == 'E')
                     goto other;
                 out[n++] = (uint32_t)v;
+                if (*p == ',') {
+                    p++;
+                    if (*p == ' ')
+                        p++;
+                    else
+                        p = skip_ws(p, end);
+                    continue;
+                }
                 p = skip_ws(p, end);
-                if (p < end && *p == ',') {
+                if (*p == ',') {
                     p = skip_ws(p + 1, end);
                     continue;
                 }
-                if (p < end && *p == ']') {
+                if (*p == ']') {
                     p++;
                     break;
                 }

@@ -114,6 +114,19 @@ def test_json_request_reads_what_msgspec_reads(fields, seps, pad, ascii_):
                                   b'{"token_ids":[1]} x', b'{"token_ids":[1.0]}', b'{"token_ids":[-1]}',
                                   b'{"token_ids":[1,]}', b'{"token_ids":[4294967296]}', b'{"model":"\xff",'
                                   b'"token_ids":[1]}', b'{"model":1,"token_ids":[1]}', b'{"token_ids":null}',
-                                  b'[1]', b'', b'{"token_ids":[1]', b'{"model":"a\nb","token_ids":[1]}'])
+                                  b'[1]', b'', b'{"token_ids":[1]', b'{"model":"a\nb","token_ids":[1]}',
+                                  b'{"token_ids":[00000001, 2]}', b'{"token_ids":[0123456, 2]}',
+                                  b'{"token_ids":[1234567e1, 2]}', b'{"token_ids":[4294967296, 2, 3, 4]}'])
 def test_json_request_leaves_everything_else_to_msgspec(body):
     assert json_request(body) is None
+
+
+@pytest.mark.parametrize("width", range(1, 11))
+def test_json_request_reads_every_digit_count(width):
+    """Numbers of 1 to 10 digits (read 8 bytes at a time where 8 bytes are left, else byte by
+    byte), at the start, in the middle and at the end of the array, every separator spacing."""
+    big = min(10**width - 1, 2**32 - 1)
+    for toks in ([big], [big, 7, big], [10 ** (width - 1), big, 0], [3] * 9 + [big]):
+        for sep in (",", ", ", " ,  "):
+            body = ('{"token_ids": [' + sep.join(map(str, toks)) + "]}").encode()
+            assert list(json_request(body)[2]) == toks, body
