@@ -13,7 +13,8 @@ setup(
         Extension(
             "consumers._fastpath",
             sources=["consumers/_fastpath.c"],
-            depends=[f"consumers/{h}" for h in ("_fp_hash.h", "_fp_parse.h", "_fp_apply.h", "_fp_score.h", "_fp_score_pods.h", "_masktable.h", "_masktable_map.h",
+            depends=[f"consumers/{h}" for h in ("_fp_hash.h", "_fp_parse.h", "_fp_apply.h", "_fp_score.h", "_fp_score_pods.h",
+                                                 "_fp_score_json.h", "_fp_score_answer.h", "_masktable.h", "_masktable_map.h",
                                                  "_masktable_ops.h", "_learned.h", "_learned_py.h")],
             optional=True,
             extra_compile_args=["-O2", "-Wall", "-Wno-unused-variable"],

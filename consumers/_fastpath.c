@@ -320,7 +320,7 @@ static PyMethodDef methods[] = {
     {"score_walk", (PyCFunction)(void (*)(void))py_score_walk, METH_FASTCALL, "chain_keys + walk in one call (see _fp_score.h)."},
     {"score_pods", (PyCFunction)(void (*)(void))py_score_pods, METH_FASTCALL, "Scorer.score's answer in one call (see _fp_score_pods.h)."},
     {"json_request", py_json_request, METH_O, "json_request(body) -> (model, lora_name, tokens) | None (see _fp_score_json.h)."},
-    {"score_json", (PyCFunction)(void (*)(void))py_score_json, METH_FASTCALL, "The /v1/score answer as JSON in one call (see _fp_score_json.h)."},
+    {"score_json", (PyCFunction)(void (*)(void))py_score_json, METH_FASTCALL, "The /v1/score answer as JSON in one call (see _fp_score_answer.h)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -289,3 +289,4 @@ fail:
 }
 
 #include "_fp_score_json.h"
+#include "_fp_score_answer.h"

@@ -126,7 +126,7 @@ class Scorer:
     def score_json(self, tokens: object, lora_name: str | None = None, *, model: str | None = None) -> bytes | None:
         """The service's ``/v1/score`` answer as JSON bytes — ``{"model", "prompt_tokens", "pick",
         "pods"}``, the pods' Scores sorted by (-total, load, pod) — in one C call
-        (``consumers/_fp_score_json.h``), counted like :meth:`score`; no load (every pod's 0.0).
+        (``consumers/_fp_score_answer.h``), counted like :meth:`score`; no load (every pod's 0.0).
         None where that call cannot run (no C extension, not the native index, a plan it does
         not know): the caller then takes :meth:`score` and encodes its Scores."""
         if _score_json is None:
