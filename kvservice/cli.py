@@ -110,16 +110,27 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
 async def serve(cfg: ServiceConfig, stop: asyncio.Event, *, announce=print, fleet=None) -> None:
     """Run the service until ``stop`` is set (``fleet``: a :class:`kvservice.ingest.Fleet` built
     from ``cfg`` beforehand, e.g. pre-filled by a benchmark; else one is built here)."""
-    from aiohttp import web
-
-    from .api import API_KEY, build_app, make_tokenizer, read_token
-    from .ingest import Fleet
-    from .metrics import Telemetry
+    from .api import read_token
 
     token = read_token(cfg.api.api_token_file) if cfg.api.api_token_file else None
     # one process, two threads (ingest, API loop) and one GIL: how long either may keep it while
-    # the other waits (README "Threads")
+    # the other waits (README "Threads"); put back when the service stops (it may run in a
+    # process of someone else's: a test, a benchmark)
+    switch_before = sys.getswitchinterval()
     sys.setswitchinterval(cfg.api.gil_switch_ms / 1000)
+    try:
+        await _serve(cfg, stop, announce, fleet, token)
+    finally:
+        sys.setswitchinterval(switch_before)
+
+
+async def _serve(cfg: ServiceConfig, stop: asyncio.Event, announce, fleet, token) -> None:
+    from aiohttp import web
+
+    from .api import API_KEY, build_app, make_tokenizer
+    from .ingest import Fleet
+    from .metrics import Telemetry
+
     fleet = fleet if fleet is not None else Fleet(cfg)
     try:
         tokenizer = make_tokenizer(fleet, cfg.api.tokenizer, cfg.api.upstream_timeout)

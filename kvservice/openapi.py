@@ -39,7 +39,7 @@ SCHEMAS = {
     "PodScore": {"type": "object", "properties": {
         "pod": {"type": "string"}, "total": {"type": "number"}, "matched_tokens": {"type": "integer"},
         "tokens_by_tier": {"type": "object", "additionalProperties": {"type": "integer"}},
-        "state": {"type": "string", "enum": ["SYNCED", "RECOVERING", "STALE", "UNRELIABLE"]},
+        "state": {"type": "string", "enum": ["CONNECTING", "SYNCED", "RECOVERING", "STALE", "UNRELIABLE"]},
         "rank": {"type": ["integer", "null"]}, "factor": {"type": "number"}, "load": {"type": "number"}}},
     "ScoreResponse": {"type": "object", "required": ["model", "prompt_tokens", "pick", "pods"], "properties": {
         "model": {"type": "string"}, "prompt_tokens": {"type": "integer"}, "pick": {"type": ["string", "null"]},
@@ -51,7 +51,7 @@ SCHEMAS = {
         "pods": {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "object"}}}}},
     "PodStatus": {"type": "object", "properties": {
         "name": {"type": "string"}, "model": {"type": ["string", "null"]}, "configured": {"type": "boolean"},
-        "state": {"type": "string", "enum": ["SYNCED", "RECOVERING", "STALE", "UNRELIABLE"]},
+        "state": {"type": "string", "enum": ["CONNECTING", "SYNCED", "RECOVERING", "STALE", "UNRELIABLE"]},
         "synced_once": {"type": "boolean"}, "last_seq": {"type": "integer"},
         "last_recv_age_s": {"type": ["number", "null"]}, "lag_s": {"type": ["number", "null"]},
         "batches": {"type": "integer"}, "gaps": {"type": "integer"}, "unrecoverable": {"type": "integer"},
