@@ -89,7 +89,8 @@ def kill_restart_rounds(rounds: int, rnd: random.Random, *, sub_timeout: float =
                     got.append(d)
                     if d.kind is DeliveryKind.BATCH and int(d.batch.ts) // 1_000_000 == run:
                         seen += 1
-            assert seen >= want, f"run {run}: {seen} of {want} batches arrived"
+            assert seen >= want, (f"run {run}: {seen} of {want} batches arrived; "
+                                  f"{ {k: v for k, v in sub.stats().items() if v} }; last: {got[-3:]}")
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             proc = start_publisher(pub_ep, rep_ep, run + 1, *extra)

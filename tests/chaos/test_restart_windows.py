@@ -216,3 +216,63 @@ def test_a_reconnect_no_poll_reported_still_comes_before_the_new_runs_frames() -
     assert after[0].kind is GAP and (after[0].seq, after[0].missed) == (0, last + 5)
     assert [d.batch for d in after[1:7]] == [batch(2000 + i) for i in range(6)]
     assert sub.health()["p"].reconnects == 1
+
+
+def test_the_new_runs_live_frames_continuing_the_old_runs_seq_are_delivered_after_the_reset() -> None:
+    """After a restart is found, live frames continuing the old run's seqs one by one are the old
+    connection's unread tail — but only while that tail can still be there. Here the old run was
+    read to the end before the reconnect, and the new run's first live frame after the RESET
+    happens to be exactly the old run's next seq. Before: it was dropped as the old run's, and so
+    was every frame after it (each continuing the last): the new run was never delivered live,
+    silently (seen as "10 of 27 batches arrived" in the loaded kill -9 loop)."""
+    import zmq
+
+    ep, rep = ipc_pair()
+    ctx = zmq.Context.instance()
+    socks = []
+
+    def sock(kind, where):
+        s = ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(where)
+        socks.append(s)
+        return s
+
+    frame = lambda run, seq: [b"", seq.to_bytes(8, "big"), kvevents.encode_batch(batch(run * 1000 + seq))]  # noqa: E731
+    sub = Subscriber([(ep, rep, "p")], tail_probe_after=None, replay_timeout=60.0)
+    try:
+        pub, router = sock(zmq.PUB, ep), sock(zmq.ROUTER, rep)
+        nxt = iter(range(10**6))
+        got = collect(sub, lambda g: bool(seqs(g)), pump=lambda: pub.send_multipart(frame(1, next(nxt))))
+        last = next(nxt) + 4
+        for seq in range(last - 4, last + 1):
+            pub.send_multipart(frame(1, seq))
+        got += collect(sub, lambda g: last in seqs(g))
+        pub.close(0)
+        router.close(0)
+        pub, router = sock(zmq.XPUB, ep), sock(zmq.ROUTER, rep)
+        got += collect(sub, lambda g: pub.poll(0))  # the SUB reconnected and subscribed again
+        assert pub.recv() == b"\x01"
+        got += collect(sub, lambda g: router.poll(0))  # the reconnect check, from the last delivered batch
+        ident, _, start = router.recv_multipart()
+        assert int.from_bytes(start, "big") == last
+        router.send_multipart([ident, b"", b""] + frame(2, last)[1:])  # another payload under that seq
+        got += collect(sub, lambda g: RESET in [d.kind for d in g] and router.poll(0))
+        ident, _, start = router.recv_multipart()  # the new run from 0
+        assert int.from_bytes(start, "big") == 0
+        for seq in range(last + 1):
+            router.send_multipart([ident, b"", b""] + frame(2, seq)[1:])
+        router.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
+        got += collect(sub, lambda g: last in seqs(g))
+        for seq in range(last + 1, last + 6):  # live again: the first is the old run's next seq
+            pub.send_multipart(frame(2, seq))
+        got += collect(sub, lambda g: last + 5 in seqs(g), deadline=5.0)
+    finally:
+        sub.close()
+        for s in socks:
+            s.close(0)
+    kinds = [d.kind for d in got]
+    after = [d for d in got[kinds.index(RESET) + 1:] if d.kind is BATCH]
+    assert [d.seq for d in after] == list(range(last + 6))
+    assert all(d.batch == batch(2000 + d.seq) for d in after)
+    assert sub.health()["p"].old_conn_dropped == 0

@@ -93,12 +93,16 @@ class RestartDetection:
         # reconnect: the old run's tail or the new run's start, which cannot be told apart
         stale = 0
         if read_at <= peer.window:
-            stale = len(msgs) if peer.window_left < 0 else min(len(msgs), peer.window_left)
+            n = len(msgs) if peer.window_left < 0 else min(len(msgs), peer.window_left)
             if peer.window_left >= 0:
-                peer.window_left -= stale
+                peer.window_left -= n
                 if not peer.window_left:
                     peer.window = -1  # exhausted by count: the socket never ran dry
-            peer.tracker.health.old_conn_dropped += stale
+            if not peer.replay_endpoint:
+                stale = n
+                peer.tracker.health.old_conn_dropped += n
+        elif peer.old_next >= 0:
+            peer.old_next = -1  # the old connection's tail is gone: no frame read now is the old run's
         for frames in msgs:
             if tap is not None:
                 tap(peer.name, "pub", frames)
@@ -117,16 +121,18 @@ class RestartDetection:
         first delivered batch."""
         tracker = peer.tracker
         tracker.health.reconnects += 1
-        if peer.replay_endpoint:
-            self._check_reconnect(peer, now, new_connection=True)
-            return
-        if tracker.expected is not None:  # (nothing delivered yet: nothing to reset)
-            out.extend(tracker.restarted(now, verified=False))
-            peer.anchor, peer.anchor_seq = None, -1
+        # frames read until the socket runs dry after this may be the old connection's tail: with a
+        # replay endpoint they are held for the check (and after a restart, those continuing the
+        # old run's seqs go with it); without one, dropped
         peer.window = peer.epoch
         peer.window_left = tail_bound(self._rcvhwm)
         if not peer.sub.getsockopt(EVENTS) & POLLIN:
             peer.epoch += 1  # nothing left to read: as good as an EAGAIN
+        if peer.replay_endpoint:
+            self._check_reconnect(peer, now, new_connection=True)
+        elif tracker.expected is not None:  # (nothing delivered yet: nothing to reset)
+            out.extend(tracker.restarted(now, verified=False))
+            peer.anchor, peer.anchor_seq = None, -1
 
     def _check_reconnect(self, peer: Peer, now: float, new_connection: bool = False) -> None:
         """The publisher reconnected: maybe another run. Hold live batches, replay from the anchor
@@ -159,6 +165,10 @@ class RestartDetection:
     def _restart(self, peer: Peer, now: float, out: list[Delivery], verified: bool = True) -> None:
         """The anchor's payload changed under its seq (or could not be checked): RESET, then the new run from 0."""
         peer.drop_old_held()  # the old run's, held for a replay it never finished
+        if peer.bind or peer.epoch > peer.window:
+            # the old connection's tail cannot come any more (bind mode: its frames are told by
+            # connection, .conns): a live frame continuing the old run's seqs is the new run's
+            peer.old_next = -1
         out.extend(peer.tracker.restarted(now, verified=verified))
         peer.anchor, peer.anchor_seq = None, -1
         self._send_request(peer)

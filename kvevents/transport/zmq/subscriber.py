@@ -310,6 +310,7 @@ class Subscriber(RestartDetection, EventSource):
                 if verdict == NEW:
                     self._reconnected(peer, int.from_bytes(seq_b, "big"), now, out)
         if peer.old_next >= 0 and peer.old_leftover(int.from_bytes(seq_b, "big")):  # (after a RESET)
+            peer.tracker.health.old_conn_dropped += 1
             return  # the old run's, unread when its RESET came: it went with the old run
         if peer.suspect:  # a reconnect not verified yet: hold, check again; never spill unverified
             if not peer.tracker.recovering:
