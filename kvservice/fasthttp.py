@@ -133,7 +133,8 @@ class FastHttp(asyncio.Protocol):
                     return self._handoff(data[pos:])  # obs-fold, a space before ':', no ':'
                 value = value.strip()
                 if name == b"content-length":
-                    if length >= 0 or not value.isdigit():
+                    # at most 18 digits: int() refuses over 4,300, and no body is that long
+                    if length >= 0 or not value.isdigit() or len(value) > 18:
                         return self._handoff(data[pos:])
                     length = int(value)
                 elif name == b"content-type":

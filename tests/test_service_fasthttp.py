@@ -239,3 +239,15 @@ def test_loop_and_switch_interval_settings_are_validated(api, key) -> None:
 
     with pytest.raises(ConfigError, match=key):
         from_dict({"router": {"model": MODEL}, "api": api, "pods": [{"name": "a", "endpoint": "ipc:///tmp/x"}]}).validate()
+
+
+def test_a_content_length_too_long_for_an_int_is_answered_not_a_protocol_crash(svc) -> None:
+    """A hostile Content-Length of thousands of digits (int() refuses more than 4,300) must not
+    raise inside the fast front's data_received (asyncio would log a traceback and drop the
+    connection): it is handed to aiohttp, which answers with an error status."""
+    s, _pub = svc
+    c = Conn(s.url)
+    c.sock.sendall(_req("/v1/score", raw=b"{}", headers={"Content-Length": "9" * 5000}))
+    st, _h, _body = c.answer()
+    assert 400 <= st < 500
+    c.close()
