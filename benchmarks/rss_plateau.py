@@ -1,6 +1,6 @@
 """The demo's RSS past the point where its replay rings are full: the plateau, shown quickly.
 
-    python benchmarks/rss_plateau.py [--ring 500] [--window 2000] [--learned 20000] [--duration 90] [--engines 3] [--tolerance 8]
+    python benchmarks/rss_plateau.py [--ring 500] [--window 2000] [--learned 20000] [--keys 50000] [--duration 90] [--engines 3] [--tolerance 8]
 
 Runs ``kvevents demo`` in this process (``kvdemo.run.execute``, no baseline engines) with every
 bound that fills slowly made small, so that the point where all of them are full comes in
@@ -51,6 +51,10 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=2000, help="finished-id window of each request lifecycle (default 2000)")
     ap.add_argument("--learned", type=int, default=20000,
                     help="the router's learned engine-hash -> key mappings at most (default 20000)")
+    ap.add_argument("--keys", type=int, default=50000,
+                    help="the router index's keys at most (max_entries; default 50000). The index keeps a key "
+                         "whose every bit was cleared (its parent link) until key-count eviction, so with the "
+                         "default 4,194,304 its key table grows for hours at the demo's rate")
     ap.add_argument("--duration", type=float, default=90.0, help="seconds of demo (default 90)")
     ap.add_argument("--engines", type=int, default=3)
     ap.add_argument("--tolerance", type=float, default=8.0, help="MiB of growth allowed after the rings are full")
@@ -96,10 +100,13 @@ def main() -> int:
     def small_learned(self):
         build(self)
         self.router._learned.max_size = args.learned  # harness only, as the ring and windows
+        index = self.router._index  # and the index's key bound (the low-water mark as make_index sets it)
+        index.max_entries = args.keys
+        index.low_water = args.keys - max(1, args.keys // 64)
 
     DemoRun.build = small_learned
-    # (t, rss, ring batches, ring bytes, entries, window ids, learned mappings)
-    samples: list[tuple[float, float, int, int, int, int, int]] = []
+    # (t, rss, ring batches, ring bytes, entries, window ids, learned mappings, index keys)
+    samples: list[tuple[float, float, int, int, int, int, int, int]] = []
     stop = threading.Event()
     t0 = time.monotonic()
 
@@ -110,10 +117,11 @@ def main() -> int:
             st = [p.stats() for p in list(pubs)]
             router = getattr(runs[0], "router", None) if runs else None
             entries = router.entries() if router is not None else 0
+            keys = len(router._index.masks) if router is not None else 0
             learned = sum(map(len, list(router._learned.maps.values()))) if router is not None else 0
             samples.append((time.monotonic() - t0, rss_mib(), sum(s["ring_batches"] for s in st),
                             sum(s["ring_bytes"] for s in st), entries, sum(len(w.recent) for w in list(windows)),
-                            learned))
+                            learned, keys))
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
@@ -124,21 +132,22 @@ def main() -> int:
     th.join()
     full_windows = args.window * len(windows)
     learned_full = args.learned - args.learned // 64  # what an eviction leaves (consumers/learned.py)
+    keys_full = args.keys - max(1, args.keys // 64)  # what an index eviction leaves
     full_at = next((i for i, s in enumerate(samples) if s[2] >= args.ring * args.engines and s[5] >= full_windows
-                    and s[6] >= learned_full), None)
-    rows = [[f"{t:.0f}", f"{r:.1f}", b, f"{nb / 2**20:.2f}", f"{w:,} / {full_windows:,}", e, f"{lm:,}"]
-            for t, r, b, nb, e, w, lm in samples]
+                    and s[6] >= learned_full and s[7] >= keys_full), None)
+    rows = [[f"{t:.0f}", f"{r:.1f}", b, f"{nb / 2**20:.2f}", f"{w:,} / {full_windows:,}", e, f"{k:,}", f"{lm:,}"]
+            for t, r, b, nb, e, w, lm, k in samples]
     print_table(f"demo RSS, {args.engines} engines, replay ring {args.ring} batches each, "
                 f"{args.duration:.0f} s (sampled every {args.every:g} s)",
                 ["t s", "RSS MiB", "ring batches (all)", "ring MiB (all)", "finished-id windows", "router index entries",
-                 "learned map"],
+                 "index keys", "learned map"],
                 rows[:: max(1, len(rows) // 40)])
     print(f"demo exit code {code}; silently lost {run.silently_lost()}")
     if full_at is None:
-        last = samples[-1] if samples else (0,) * 7
+        last = samples[-1] if samples else (0,) * 8
         print(f"not everything filled (rings {last[2]} of {args.ring * args.engines} batches, windows {last[5]} of "
-              f"{full_windows} ids, learned map {last[6]} of {learned_full}): run longer or with a smaller "
-              f"--ring / --window / --learned")
+              f"{full_windows} ids, learned map {last[6]} of {learned_full}, index keys {last[7]} of {keys_full}): run longer or "
+              f"with a smaller --ring / --window / --learned / --keys")
         return 2
     t_full, r_full = samples[full_at][0], samples[full_at][1]
     t_end, r_end = samples[-1][0], samples[-1][1]
@@ -148,13 +157,13 @@ def main() -> int:
     rate_before = (r_full - r_start) / max(1e-9, t_full - samples[0][0])
     rate_after = (r_end - r_full) / max(1e-9, t_end - t_full)
     ok = grew_after <= args.tolerance
-    print_table("RSS before and after the rings and windows are full",
+    print_table("RSS before and after the rings, the windows, the learned map and the index keys are full",
                 ["window", "seconds", "RSS from -> to MiB", "MiB/s", "index entries from -> to"],
                 [["filling", f"{t_full - samples[0][0]:.0f}", f"{r_start:.1f} -> {r_full:.1f}",
                   f"{rate_before:.3f}", f"{samples[0][4]} -> {samples[full_at][4]}"],
                  ["full", f"{t_end - t_full:.0f}", f"{r_full:.1f} -> {r_end:.1f} (peak {peak_after:.1f})",
                   f"{rate_after:.3f}", f"{samples[full_at][4]} -> {samples[-1][4]}"]])
-    print(f"target: after the rings, the windows and the learned map are full RSS grows <= {args.tolerance:g} MiB: "
+    print(f"target: after the rings, the windows, the learned map and the index keys are full RSS grows <= {args.tolerance:g} MiB: "
           f"{'met' if ok else 'NOT MET'} (+{grew_after:.1f} MiB over {t_end - t_full:.0f} s)")
     return 0 if ok and code == 0 else 1
 
