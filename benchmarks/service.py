@@ -69,8 +69,11 @@ def feeder(args) -> None:
     from kvevents import ZmqEventPublisher
 
     pods = [int(x) for x in args.feed_pods.split(",")]
-    pubs = [ZmqEventPublisher(f"ipc://{args.feed}/pod{p}.pub", None, topic="", max_queue_size=1 << 20,
-                              hwm=1 << 20) for p in pods]
+    # a replay endpoint: each drain starts a new feeder (a new run on the same endpoints), and a
+    # reconnect without one is a counted RESET whose queued frames are dropped until the socket
+    # runs dry (README "Subscriber") -- the burst queued while ingest was held would be lost
+    pubs = [ZmqEventPublisher(f"ipc://{args.feed}/pod{p}.pub", f"ipc://{args.feed}/pod{p}.replay", topic="",
+                              max_queue_size=1 << 20, hwm=1 << 20, buffer_steps=1 << 16) for p in pods]
     rnd = random.Random(7)
     time.sleep(1.0)  # let the subscriber (re)connect to the freshly bound sockets (ZeroMQ slow joiner)
     print("ready", flush=True)
@@ -94,6 +97,11 @@ def feeder(args) -> None:
             delay = t0 + n / args.rate - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
+    if args.count is not None:  # a burst: stay up (replay served) until the drain is over
+        while any(p.stats()["queue_depth"] for p in pubs):  # every batch handed to ZeroMQ
+            time.sleep(0.01)
+        print("published", flush=True)
+        sys.stdin.read()
     for p in pubs:
         p.shutdown(timeout=30)
     print(f"published {n}", flush=True)
@@ -103,7 +111,7 @@ def start_feeder(d: Path, pods: list[int], **kw) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--feed", str(d), "--feed-pods", ",".join(map(str, pods))]
     for k, v in kw.items():
         cmd += [f"--{k}", str(v)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
     return p
 
@@ -147,7 +155,8 @@ def build_fleet(d: Path, pods: int, n_blocks: int, rnd: random.Random):
 
     cfg = from_dict({"router": {"model": MODEL, "max_entries": 1 << 24}, "api": {"port": 0, "max_body_bytes": 1 << 20},
                      "subscriber": {"late_join": False, "stale_after": 1e6},
-                     "pods": [{"name": f"pod{p}", "endpoint": f"ipc://{d}/pod{p}.pub"} for p in range(pods)]}).validate()
+                     "pods": [{"name": f"pod{p}", "endpoint": f"ipc://{d}/pod{p}.pub",
+                               "replay_endpoint": f"ipc://{d}/pod{p}.replay"} for p in range(pods)]}).validate()
     fleet = Fleet(cfg)
     r = fleet.router
     docs = make_docs(rnd, n_blocks)
@@ -242,7 +251,7 @@ def drain_rate(fleet, d: Path, pods: list[int], burst: int, load=None) -> tuple[
     """Queue ``burst`` batches while the ingest thread is held, then time the drain."""
     with fleet.lock:
         feed = start_feeder(d, pods, count=burst)
-        feed.wait(120)
+        assert feed.stdout.readline().strip() == "published"
         b0 = fleet.deliveries
         wrk_box: dict = {}
         if load is not None:
@@ -254,6 +263,8 @@ def drain_rate(fleet, d: Path, pods: list[int], burst: int, load=None) -> tuple[
     while fleet.deliveries - b0 < burst and time.monotonic() < deadline:
         time.sleep(0.002)
     dt = time.perf_counter() - t0
+    feed.stdin.close()  # the feeder (a new run on the same endpoints, its replay ring) may go now
+    feed.wait(120)
     if load is not None:
         t.join()
     return (fleet.deliveries - b0) / dt, wrk_box or None
