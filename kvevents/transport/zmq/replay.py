@@ -394,12 +394,17 @@ class ReplayServer:
             r.served += 1
             stats.replay_batches_served += 1
         if tracker is not None:
-            r.chunks.append((tracker, nbytes))
-            r.outstanding += nbytes
-            stats.replay_outstanding_bytes += nbytes
+            self._hold(r, tracker, nbytes)
         if r.cursor is not None and r.cursor > r.end:
             r.ending = True
         return True
+
+    def _hold(self, r: _Replay, tracker, nbytes: int) -> None:
+        """Count ``nbytes`` sent to ``r`` as outstanding until ``tracker`` says ZeroMQ let go of them
+        (None: released with the next chunk)."""
+        r.chunks.append((tracker, nbytes))
+        r.outstanding += nbytes
+        self._stats.replay_outstanding_bytes += nbytes
 
     def _sent(self, r: _Replay, chunk: list, sent: int, nbytes: int, tracker, err: int) -> bool | None:
         """Account what the C helper sent of ``r``'s chunk (as ``_send_chunk`` does): True if more of
@@ -415,14 +420,10 @@ class ReplayServer:
                 return None
             if not sent:  # its pipe is at SNDHWM: nothing of this message was queued
                 return None
-            r.chunks.append((None, nbytes))  # what did go is accounted, released with the next chunk
-            r.outstanding += nbytes
-            stats.replay_outstanding_bytes += nbytes
+            self._hold(r, None, nbytes)  # what did go is accounted, released with the next chunk
             return False
         if tracker is not None:
-            r.chunks.append((tracker, nbytes))
-            r.outstanding += nbytes
-            stats.replay_outstanding_bytes += nbytes
+            self._hold(r, tracker, nbytes)
         if r.cursor is not None and r.cursor > r.end:
             r.ending = True
         return True
