@@ -191,11 +191,15 @@ def _summary(fleet, bridge, st: dict, published: int, out: TextIO) -> int:
               f"{r['ready_after_s'] or 0:.2f} s, snapshots {rep['snapshots_saved']} ({rep['snapshot_bytes']} B), "
               f"purged {rep['purged']}; gaps {src['stream_gaps']}, duplicates {src['duplicates']}, "
               f"malformed {src['malformed']}; digest {r['digest'][:16]}", file=out)
+        trouble = {k: src[k] for k in ("stream_holes", "stream_lost", "hole_gaps", "implied_resets") if src.get(k)}
+        trouble.update({k: rep[k] for k in ("restart_rechecks", "purged_before_read", "restore_failures") if rep.get(k)})
+        if trouble or r.get("failures"):
+            print(f"  replica {n} detail: {trouble} failures: {r.get('failures')}", file=out)
     same = len({r["digest"] for r in st.values()}) == 1
     lost = published - b["batches"]
     reported = sum(h.unrecoverable for h in bridge.sub.health().values())
     silent = max(0, lost - reported)
-    applied_ok = all(r["source"]["stream_gaps"] == 0 for r in st.values())
+    applied_ok = all(r["source"]["stream_gaps"] == 0 and not r["source"].get("stream_holes") for r in st.values())
     print(f"replicas identical: {'YES' if same else 'NO'} (full-state digest{'' if not st['a']['digest'].startswith('partial') else ', partial: this router has no snapshot()'})", file=out)
     print(f"batches lost before the bridge: {lost} (reported as GAP: {reported}); silently lost: {silent}; "
           f"lost inside the plane: {'none' if applied_ok else 'SEE GAPS ABOVE'}", file=out)

@@ -18,6 +18,8 @@ message, so a live replica's unread messages are never purged.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import time
 
@@ -41,6 +43,7 @@ class PlaneStore:
         self.storage = storage
         self.obs = None
         self.kv = None
+        self.reads_replaced = 0  #: snapshot reads that met a newer save and read that one
 
     async def open(self) -> None:
         from nats.js import api
@@ -94,13 +97,71 @@ class PlaneStore:
 
     async def load_with_pods(self, name: str) -> tuple[bytes, dict[str, tuple]]:
         """The snapshot's bytes and the per-pod positions it covers ({} if it names none)."""
-        res = await self.obs.get(name)
+        data, info = await self._read(name)
         try:
-            raw = json.loads(res.info.description or "{}").get("pods") or {}
+            raw = json.loads(info.description or "{}").get("pods") or {}
             pods = {str(p): (int(v[0]), int(v[1]), str(v[2])) for p, v in raw.items()}
         except (ValueError, TypeError, AttributeError, IndexError, KeyError):
             pods = {}  # a foreign or damaged description: the first message of each pod is taken as it comes
-        return res.data, pods
+        return data, pods
+
+    CHUNK_POLL = 0.25  #: seconds without a chunk before a read checks whether the object was replaced
+    CHUNK_WAIT = 5.0  #: seconds without a chunk (the object unchanged) before the read fails
+
+    async def _read(self, name: str):
+        """One object's bytes and info, read chunk by chunk, checked against its size and digest.
+
+        A replica re-saves its object every few seconds, and a save purges the previous version's
+        chunks once the new meta is in: a reader that fetched the old meta then finds no chunks
+        and would wait for ever (nats-py's own ``get`` does). Here a read that sees no chunk for
+        ``CHUNK_POLL`` seconds looks at the meta again: replaced -> read the new version (counted
+        in ``reads_replaced``); unchanged for ``CHUNK_WAIT`` -> a SnapshotLoadError naming what
+        was missing."""
+        from nats.errors import TimeoutError as NatsTimeout
+
+        for _ in range(10):
+            info = await self.obs.get_info(name)
+            if not info.nuid:
+                raise SnapshotLoadError(f"snapshot {name!r}: its meta names no data")
+            if not info.size:
+                return b"", info
+            sub = await self.js.subscribe(f"$O.{self.snapshots_bucket}.C.{info.nuid}", ordered_consumer=True)
+            parts: list[bytes] = []
+            got, done, waited, replaced = 0, False, 0.0, False
+            try:
+                while not done:
+                    try:
+                        msg = await sub.next_msg(timeout=self.CHUNK_POLL)
+                    except NatsTimeout:
+                        now = await self.obs.get_info(name)
+                        if now.nuid != info.nuid:
+                            replaced = True
+                            break
+                        waited += self.CHUNK_POLL
+                        if waited >= self.CHUNK_WAIT:
+                            raise SnapshotLoadError(
+                                f"snapshot {name!r}: no chunk for {self.CHUNK_WAIT:g} s after {got} of {info.size} "
+                                f"bytes (its chunks are missing from the bucket)") from None
+                        continue
+                    parts.append(msg.data)
+                    got += len(msg.data)
+                    done = msg.metadata.num_pending == 0
+            finally:
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass  # the connection went: nothing left to stop
+            if replaced:
+                self.reads_replaced += 1  # saved again while we read: read the new version
+                continue
+            data = b"".join(parts)
+            want = (info.digest or "").split("=", 1)[-1].rstrip("=")
+            have = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode().rstrip("=")
+            if len(data) != info.size or want != have:
+                raise SnapshotLoadError(f"snapshot {name!r}: read {len(data)} of {info.size} bytes, "
+                                        f"digest {'matches' if want == have else 'differs'}")
+            return data, info
+        raise SnapshotLoadError(f"snapshot {name!r}: saved again 10 times while being read")
 
     # ---- covered seqs and the purge lease --------------------------------------------------------
 
@@ -108,22 +169,31 @@ class PlaneStore:
         await self.kv.put(f"cover.{replica}", json.dumps({"seq": stream_seq, "ts": time.time()}).encode())
 
     async def covers(self) -> dict[str, int]:
-        """Every live replica's covered seq (entries past their ttl are gone)."""
-        from nats.js.errors import NoKeysError
+        """Every live replica's covered seq (entries past their ttl are gone).
 
-        try:
-            keys = await self.kv.keys()
-        except NoKeysError:
-            return {}
+        Read from the bucket's stream state, not with nats-py's ``kv.keys()``: that walks a
+        last-per-subject consumer and, while other replicas re-put their covers (every
+        heartbeat), it returns keys twice and leaves others out — a purge floor computed without a
+        live replica's cover would purge messages that replica has not read. The stream state
+        lists every subject that holds a message; a cover whose message expires between the two
+        reads is a dead replica's. Any other failure raises: no floor, no purge."""
+        from nats.js.errors import NotFoundError
+
+        prefix = f"$KV.{self.replicas_bucket}."
+        stream = f"KV_{self.replicas_bucket}"
+        info = await self.js.stream_info(stream, subjects_filter=f"{prefix}cover.>")
         out = {}
-        for key in keys:
-            if not key.startswith("cover."):
+        for subject in (info.state.subjects or {}):
+            try:
+                msg = await self.js.get_last_msg(stream, subject)
+            except NotFoundError:
+                continue  # expired since the listing: that replica stopped heartbeating
+            if msg.headers and msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
                 continue
             try:
-                entry = await self.kv.get(key)
-                out[key[6:]] = int(json.loads(entry.value)["seq"])
-            except Exception:  # deleted meanwhile, or a damaged value: not a cover we can trust
-                continue
+                out[subject[len(prefix) + 6:]] = int(json.loads(msg.data)["seq"])
+            except (ValueError, TypeError, KeyError) as exc:
+                raise KVEventsError(f"cover {subject!r} is not a cover ({exc}): not purging") from None
         return out
 
     async def purge_below(self, cut: int) -> int:

@@ -1,0 +1,98 @@
+"""The replicas' shared state under concurrent use, against a real nats-server: the purge floor
+must see every live replica's cover while the others re-put theirs (a floor computed without one
+purges messages that replica has not read), and a snapshot read must finish — with one whole,
+checked version — while its owner saves a newer one over it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+
+from kvservice.planestore import PlaneStore, SnapshotLoadError
+from tests.plane_helpers import nats_server  # noqa: F401
+
+
+def _run(url: str, body):
+    async def go():
+        nc = await nats.connect(url)
+        try:
+            store = PlaneStore(nc.jetstream(), storage="memory", ttl=5.0)
+            await store.open()
+            return await asyncio.wait_for(body(store, nc.jetstream()), 60)
+        finally:
+            await nc.close()
+    return asyncio.run(go())
+
+
+def test_covers_lists_every_live_replica_while_they_heartbeat(nats_server) -> None:
+    names = ("a", "b", "c")
+
+    async def body(store: PlaneStore, js):
+        for n in names:
+            await store.cover(n, 10)
+        stop = asyncio.Event()
+
+        async def beat(n):  # a replica re-putting its cover as fast as it can
+            i = 10
+            while not stop.is_set():
+                i += 1
+                await store.cover(n, i)
+                await asyncio.sleep(0)
+        beats = [asyncio.create_task(beat(n)) for n in names]
+        seen = []
+        try:
+            for _ in range(300):
+                seen.append(await store.covers())
+        finally:
+            stop.set()
+            await asyncio.gather(*beats)
+        return seen
+    seen = _run(nats_server.url, body)
+    short = [c for c in seen if sorted(c) != sorted(names)]
+    assert not short, f"{len(short)} of {len(seen)} reads left a live cover out, e.g. {short[0]}"
+    assert all(v >= 10 for c in seen for v in c.values())
+
+
+def test_a_snapshot_read_while_it_is_saved_again_gives_one_whole_version(nats_server) -> None:
+    size = 300_000  # several chunks (nats-py's object store writes 128 KiB chunks)
+
+    async def body(store: PlaneStore, js):
+        store.CHUNK_POLL = 0.05
+        await store.save("r", bytes([0]) * size, 1)
+        stop = asyncio.Event()
+
+        async def saver():
+            v = 0
+            while not stop.is_set():
+                v = (v + 1) % 250
+                await store.save("r", bytes([v]) * size, v + 1)
+                await asyncio.sleep(0.02)  # a replica saves every few seconds; this one far more often
+        task = asyncio.create_task(saver())
+        reads = []
+        try:
+            for _ in range(40):
+                data, _ = await store.load_with_pods("r")
+                reads.append(data)
+        finally:
+            stop.set()
+            await task
+        return reads, store.reads_replaced
+    reads, replaced = _run(nats_server.url, body)
+    assert len(reads) == 40
+    for data in reads:
+        assert len(data) == size and data.count(data[:1]) == size, "a read mixed two versions"
+    assert replaced >= 0  # counted when a read met a newer save (how often depends on timing)
+
+
+def test_a_snapshot_whose_chunks_are_gone_is_a_named_error_not_a_hang(nats_server) -> None:
+    async def body(store: PlaneStore, js):
+        store.CHUNK_POLL, store.CHUNK_WAIT = 0.1, 0.3
+        await store.save("r", b"x" * 1000, 5)
+        info = await store.obs.get_info("r")
+        await js.purge_stream(f"OBJ_{store.snapshots_bucket}", subject=f"$O.{store.snapshots_bucket}.C.{info.nuid}")
+        with pytest.raises(SnapshotLoadError, match=r"no chunk .* after 0 of 1000 bytes"):
+            await store.load_with_pods("r")
+        return True
+    assert _run(nats_server.url, body)
