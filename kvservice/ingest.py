@@ -196,10 +196,13 @@ class Fleet:
 
     def _unattributed(self, publisher: str, reason: str) -> None:
         u = self.unattributed.get(publisher)
-        if u is None:
-            u = self.unattributed[publisher] = Unattributed(publisher, reason)
+        if u is None:  # counted before it is published: the API thread never reads an entry at 0 batches
+            u = Unattributed(publisher, reason)
+            u.batches = 1
+            self.unattributed[publisher] = u
             log.warning("batches from publisher %r are not indexed: %s (counted in /v1/pods and "
                         "kvservice_unattributed_batches_total)", publisher, reason)
+            return
         u.batches += 1
 
     # ---- state for the API ---------------------------------------------------------------
