@@ -226,6 +226,9 @@ def test_a_backlog_goes_out_complete_in_order_and_counted() -> None:
                 assert seq not in got and all(s < seq for s in got)  # in order, no duplicate
                 got[seq] = (topic, payload)
         assert got == expected
+        deadline = time.monotonic() + 10  # the sender counts a group after its last frame is handed to the socket
+        while pub.stats()["batches_published"] - before["batches_published"] < len(expected) and time.monotonic() < deadline:
+            time.sleep(0.005)  # polling a counter another thread updates
         after = pub.stats()
         assert after["batches_published"] - before["batches_published"] == len(expected)
         assert after["events_published"] - before["events_published"] == events
