@@ -395,6 +395,17 @@ class JetStreamSource(EventSource):
         else:
             bodies = (msg.data,)
         seq = m.seq
+        last = st.last_seq
+        if seq > last:  # the usual case: every batch of the message is new, in order
+            if seq > last + 1 and last >= 0:
+                self._batch(st, m, seq, bodies[0], now, out)  # the jump: a GAP, then the batch
+                seq += 1
+                bodies = bodies[1:]
+            pod, topic = m.pod, m.router_topic
+            out.extend([Delivery(BATCH, pod, topic, s, None, now, 0, False, "", body)
+                        for s, body in enumerate(bodies, seq)])
+            st.last_seq = h.last_seq = seq + len(bodies) - 1
+            return
         for body in bodies:
             self._batch(st, m, seq, body, now, out)
             seq += 1

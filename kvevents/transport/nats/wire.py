@@ -25,6 +25,7 @@ RESET and GAP in order with its batches.
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass
 
 from ...errors import ConfigError, DecodeError
@@ -104,19 +105,26 @@ def pack(payloads: list[bytes]) -> bytes:
     return b"".join(pack_parts(payloads))
 
 
+_LEN = struct.Struct(">I").unpack_from
+
+
 def unpack(body: bytes, count: int) -> list[bytes]:
-    """The payloads of a packed body; a DecodeError if it does not hold exactly ``count``."""
+    """The payloads of a packed body; a DecodeError if it does not hold exactly ``count``.
+
+    (Slices of the bytes body, one copy each; the length prefixes read in place.)"""
+    if type(body) is not bytes:
+        body = bytes(body)
     out = []
-    view = memoryview(body)
+    append = out.append
     pos, end = 0, len(body)
     while pos < end:
         if pos + 4 > end:
             raise DecodeError(f"packed event-plane body truncated at byte {pos} (a length prefix)")
-        n = int.from_bytes(view[pos:pos + 4], "big")
+        n = _LEN(body, pos)[0]
         pos += 4
         if pos + n > end:
             raise DecodeError(f"packed event-plane body truncated: batch {len(out)} wants {n} bytes, {end - pos} left")
-        out.append(bytes(view[pos:pos + n]))
+        append(body[pos:pos + n])
         pos += n
     if len(out) != count:
         raise DecodeError(f"packed event-plane body holds {len(out)} batches, its {COUNT} header says {count}")
