@@ -115,6 +115,42 @@ def test_a_packed_message_stops_growing_below_the_servers_payload_limit() -> Non
                                                             for i in range(1, len(msgs))]
 
 
+
+def test_a_packing_bridge_takes_what_is_already_waiting_up_to_pack_then_stops() -> None:
+    """A round keeps polling without waiting while deliveries come, up to ``pack`` per engine:
+    fuller messages, no wait for more; the batches go out once each, in order."""
+    from types import SimpleNamespace
+
+    from kvevents import DeliveryKind
+    from kvevents.delivery import Delivery
+    from kvevents.transport.nats.bridge import _Pod
+
+    def drains(first, sizes):
+        for n in sizes:
+            yield [Delivery(DeliveryKind.BATCH, "p", "t", s, None, 0.0, payload=b"b%d" % s)
+                   for s in range(first, first + n)]
+            first += n
+    waits = []
+    ready = drains(0, [64, 64, 64, 10])
+
+    def poll(timeout_ms):
+        waits.append(timeout_ms)
+        return next(ready, [])
+    sent = []
+    bridge = Bridge.__new__(Bridge)
+    bridge.pack, bridge.max_held = 150, 10
+    bridge.stats = dict.fromkeys(("batches", "resets", "gaps", "resume_skipped", "resumed_pods", "held_overflow"), 0)
+    bridge.pods = {"p": _Pod(EngineSpec("p", "ipc:///x"), "kvevents.default.p")}
+    bridge.sub = SimpleNamespace(poll=poll)
+    bridge.sender = SimpleNamespace(put_many=sent.extend)
+    assert bridge.poll(50) == 2  # 192 batches taken (three drains: 192 >= 150), packed 150 + 42
+    assert waits == [50, 0, 0]
+    assert [int(h.get("Kv-Count", 1)) for _, _, h in sent] == [150, 42]
+    assert bridge.poll(50) == 1 and waits[3:] == [50, 0]  # the last 10, then nothing waiting: no more polls
+    got = [p for _, body, h in sent for p in unpack(b"".join(body) if isinstance(body, list) else body,
+                                                    int(h.get("Kv-Count", 1)))]
+    assert got == [b"b%d" % s for s in range(202)] and bridge.stats["batches"] == 202
+
 @pytest.mark.parametrize("pack", [1, 4])
 def test_bridge_kill9_mid_stream_stream_holds_every_batch_once_in_order(nats_server, tmp_path, pack) -> None:
     pub_ep, rep_ep = ipc_pair()
