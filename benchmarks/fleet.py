@@ -1,6 +1,6 @@
 """The event plane, measured: engine -> bridge -> JetStream -> router replica, vs direct ZeroMQ.
 
-    python benchmarks/fleet.py [--quick]
+    python benchmarks/fleet.py [--quick] [--only-rate] [--events 16 ...] [--rounds R] [--batches N] [--pack P]
 
 Needs nats-server (Debian's) on PATH or in /usr/sbin; starts its own on a free loopback port
 with file storage in a temporary directory.
@@ -41,6 +41,7 @@ from benchmarks._table import print_table  # noqa: E402
 
 TARGET_RATE = 500_000  #: events/s end to end (issue 12)
 TARGET_P99_MS = 50  #: p99 lag the plane may add at 100k events/s (issue 12)
+PACK = 32  #: the bridge's --pack in the packed plane runs
 
 
 def _hash(i: int) -> int:
@@ -354,45 +355,57 @@ def scale(engines: int, batches_per_engine: int, srv: Server) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only-rate", action="store_true", help="section 1 (rates and CPU per stage) only")
+    ap.add_argument("--events", type=int, nargs="*", default=[16, 64], help="events per batch in section 1")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds in section 1")
+    ap.add_argument("--pack", type=int, default=PACK, help="batches per stream message in the packed plane runs")
+    ap.add_argument("--batches", type=int, default=None, help="batches per run in section 1")
+    ap.add_argument("--no-pack1", action="store_true", help="section 1 without the unpacked plane runs")
     args = ap.parse_args()
     srv = Server()
     tmp = Path(tempfile.mkdtemp(prefix="kvfleet-ipc-"))
     try:
-        n = 2000 if args.quick else 10000
-        rounds = 1 if args.quick else 2
+        n = args.batches or (2000 if args.quick else 10000)
+        rounds = args.rounds or (1 if args.quick else 2)
+        k = args.pack
         rows = []
         cpu_rows: dict[int, dict[str, float]] = {}
-        for events in (16, 64):
+        for events in args.events:
             d_rates = []
-            p_rates: dict[tuple[int, str], list[float]] = {(1, "file"): [], (32, "file"): [], (32, "memory"): []}
+            p_rates: dict[tuple[int, str], list[float]] = {(1, "file"): [], (k, "file"): [], (k, "memory"): []}
+            if args.no_pack1:
+                del p_rates[1, "file"]
             for _ in range(rounds):  # interleaved rounds
                 d_rates.append(run_direct(n, events, 0, tmp)[0])
                 for pack, storage in p_rates:
                     rate, _, stats = run_plane(n, events, 0, tmp, srv, pack, storage)
                     p_rates[pack, storage].append(rate)
-                    if pack == 32:
+                    if pack == k:
                         cpu_rows[events, storage] = stats["cpu"]
             d = statistics.median(d_rates)
-            med = {k: statistics.median(v) for k, v in p_rates.items()}
+            med = {c: statistics.median(v) for c, v in p_rates.items()}
             best = max(med.values())
-            rows.append([events, n, f"{d:,.0f}", *(f"{med[k]:,.0f}" for k in p_rates), f"{best / d:.2f}",
-                         f"{TARGET_RATE:,}", "met" if best >= TARGET_RATE else "missed"])
+            cols = ((1, "file"), (k, "file"), (k, "memory"))
+            rows.append([events, n, f"{d:,.0f}", *(f"{med[c]:,.0f}" if c in med else "-" for c in cols),
+                         f"{best / d:.2f}", f"{TARGET_RATE:,}", "met" if best >= TARGET_RATE else "missed"])
         print_table("1. engine -> router, events/s (median of interleaved rounds; plane = engine -> ZeroMQ -> bridge "
                     "process -> JetStream -> JetStreamSource -> KVRouter; direct ZeroMQ = engine -> Subscriber -> "
                     "KVRouter, the limit on this machine)",
-                    ["events/batch", "batches", "direct ZeroMQ", "plane pack=1", "plane pack=32",
-                     "pack=32 memory storage", "best/direct", "target", "best vs target"], rows)
+                    ["events/batch", "batches", "direct ZeroMQ", "plane pack=1", f"plane pack={k}",
+                     f"pack={k} memory storage", "best/direct", "target", "best vs target"], rows)
         print()
         names = list(next(iter(cpu_rows.values())))
         crow = []
         for (events, storage), cpu in cpu_rows.items():
             total = sum(cpu.values())
-            crow.append([events, storage, *(f"{cpu[k] * 1e6 / (n * events):.2f}" for k in names),
+            crow.append([events, storage, *(f"{cpu[c] * 1e6 / (n * events):.2f}" for c in names),
                          f"{total * 1e6 / (n * events):.2f}", f"{2 * n * events / total:,.0f}"])
-        print_table("1c. where the time goes: CPU microseconds per event, per process (plane pack=32, last round; "
+        print_table(f"1c. where the time goes: CPU microseconds per event, per process (plane pack={k}, last round; "
                     "the machine has 2 cores, so 2 / total is the most the whole path could do here)",
                     ["events/batch", "storage", *names, "total", "2 cores / total, ev/s"], crow)
         print()
+        if args.only_rate:
+            return
         print_table(f"1b. where the time goes: each stage alone ({n} batches x 16 events)",
                     ["stage", "events/s"], [[s, f"{r:,.0f}"] for s, r in stage_rates(n, 16, srv)])
         print()
@@ -402,11 +415,11 @@ def main() -> None:
         nl = int(target / events * (2 if args.quick else 5))
         _, dl = run_direct(nl, events, target, tmp)
         _, pl1, _ = run_plane(nl, events, target, tmp, srv, 1)
-        _, pl32, _ = run_plane(nl, events, target, tmp, srv, 32)
-        _, pl32m, _ = run_plane(nl, events, target, tmp, srv, 32, "memory")
+        _, pl32, _ = run_plane(nl, events, target, tmp, srv, k)
+        _, pl32m, _ = run_plane(nl, events, target, tmp, srv, k, "memory")
         direct_p99 = None
-        for name, lags in (("direct ZeroMQ", dl), ("plane pack=1", pl1), ("plane pack=32", pl32),
-                           ("plane pack=32, memory storage", pl32m)):
+        for name, lags in (("direct ZeroMQ", dl), ("plane pack=1", pl1), (f"plane pack={k}", pl32),
+                           (f"plane pack={k}, memory storage", pl32m)):
             lags.sort()
             p99 = lags[int(len(lags) * 0.99)] * 1000
             direct_p99 = p99 if direct_p99 is None else direct_p99
