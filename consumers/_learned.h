@@ -30,6 +30,10 @@ typedef struct {
     uint32_t live;
     uint32_t *slot;     /* entry index + 1; 0 = empty */
     uint32_t slot_mask;
+    OaOld old;          /* the previous, smaller index while an incremental rehash runs */
+    uint32_t mig_step;  /* old positions moved per insert or update while a rehash runs */
+    unsigned long long moved_max; /* most entries one insert or update moved (rehash steps) */
+    unsigned long long rehashes;  /* incremental rehashes started */
 } LearnedTable;
 
 static PyTypeObject LearnedTableType;
@@ -46,23 +50,35 @@ lt_key_at(const void *m, uint32_t e)
     return ((const LearnedTable *)m)->ent[e].key;
 }
 
-/* entry index of k or MT_NONE; *pos: its slot (or where it would go) */
+/* entry index of k or MT_NONE; *pos: its slot, OA_OLD | its slot in the old index of a rehash
+ * under way, or, when absent, where it would go */
 static inline uint32_t
 lt_find(const LearnedTable *m, uint64_t k, uint32_t *pos)
 {
     uint32_t i = lt_home(m, k);
     for (;;) {
         uint32_t s = m->slot[i];
-        if (s == 0) {
-            if (pos) *pos = i;
-            return MT_NONE;
-        }
+        if (s == 0)
+            break;
         if (m->ent[s - 1].key == k) {
             if (pos) *pos = i;
             return s - 1;
         }
         i = (i + 1) & m->slot_mask;
     }
+    if (pos) *pos = i;
+    if (__builtin_expect(m->old.slot != NULL, 0))
+        return oa_find_old(&m->old, k, m, lt_key_at, pos);
+    return MT_NONE;
+}
+
+/* forget a rehash under way (the index is being rebuilt from the entries, or dropped) */
+static void
+lt_drop_old(LearnedTable *m)
+{
+    PyMem_RawFree(m->old.slot);
+    m->old.slot = NULL;
+    m->old.mask = m->old.next = 0;
 }
 
 static int
@@ -71,6 +87,7 @@ lt_reindex(LearnedTable *m, uint32_t size)
     uint32_t *slot = oa_new_slots(size);
     if (slot == NULL)
         return -1;
+    lt_drop_old(m);
     PyMem_RawFree(m->slot);
     m->slot = slot;
     m->slot_mask = size - 1;
@@ -92,17 +109,19 @@ lt_compact(LearnedTable *m)
     return lt_reindex(m, m->slot_mask + 1);
 }
 
-/* room for one more entry */
+/* room for one more entry (an index at its load limit starts an incremental rehash) */
 static int
-lt_reserve(LearnedTable *m)
+lt_reserve(LearnedTable *m, uint64_t *moved)
 {
     if ((uint64_t)(m->live + 1) * 2 > (uint64_t)m->slot_mask + 1) {
         if (m->slot_mask >= 0x7FFFFFFFu) {
             PyErr_SetString(PyExc_MemoryError, "learned table: too many keys");
             return -1;
         }
-        if (lt_reindex(m, (m->slot_mask + 1) * 2) < 0)
+        if (oa_start_rehash(&m->old, &m->slot, &m->slot_mask, m, lt_key_at, moved) < 0)
             return -1;
+        m->rehashes++;
+        *moved += oa_migrate(&m->old, m->slot, m->slot_mask, m->mig_step, m, lt_key_at);
     }
     if (m->used == m->cap) {
         if (m->live < m->used / 2)
@@ -127,6 +146,10 @@ lt_reserve(LearnedTable *m)
 static int
 lt_set(LearnedTable *m, uint64_t k, uint32_t tag, uint64_t val)
 {
+    uint64_t moved = 0;
+    if (__builtin_expect(m->old.slot != NULL, 0) &&
+        (moved = oa_migrate(&m->old, m->slot, m->slot_mask, m->mig_step, m, lt_key_at)) > m->moved_max)
+        m->moved_max = moved;
     uint32_t pos;
     uint32_t e = lt_find(m, k, &pos);
     if (e != MT_NONE) {
@@ -138,7 +161,10 @@ lt_set(LearnedTable *m, uint64_t k, uint32_t tag, uint64_t val)
         return 0;
     }
     uint32_t mask = m->slot_mask, used = m->used;
-    if (lt_reserve(m) < 0) {
+    int rc = lt_reserve(m, &moved);
+    if (moved > m->moved_max)
+        m->moved_max = moved;
+    if (rc < 0) {
         if (tag == LT_OBJ)
             Py_DECREF((PyObject *)(uintptr_t)val);
         return -1;
@@ -158,7 +184,10 @@ lt_set(LearnedTable *m, uint64_t k, uint32_t tag, uint64_t val)
 static void
 lt_delete_at(LearnedTable *m, uint32_t pos, uint32_t e)
 {
-    oa_delete(m->slot, m->slot_mask, pos, m, lt_key_at);
+    if (pos & OA_OLD)
+        m->old.slot[pos & ~OA_OLD] = OA_TOMB;
+    else
+        oa_delete(m->slot, m->slot_mask, pos, m, lt_key_at);
     if (m->ent[e].tag == LT_OBJ)
         Py_DECREF((PyObject *)(uintptr_t)m->ent[e].val);
     m->ent[e].tag = LT_DEAD;
@@ -193,6 +222,7 @@ lt_to_dict(LearnedTable *m)
             Py_DECREF((PyObject *)(uintptr_t)m->ent[e].val);
     PyMem_RawFree(m->ent);
     PyMem_RawFree(m->slot);
+    lt_drop_old(m);
     m->ent = NULL;
     m->slot = NULL;
     m->used = m->cap = m->live = 0;

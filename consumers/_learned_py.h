@@ -5,8 +5,12 @@
 static PyObject *
 lt_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    if (PyTuple_GET_SIZE(args) != 0 || (kw != NULL && PyDict_GET_SIZE(kw) != 0)) {
-        PyErr_SetString(PyExc_TypeError, "LearnedTable() takes no arguments");
+    static char *names[] = {"mig_step", NULL};
+    Py_ssize_t step = OA_STEP;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$n:LearnedTable", names, &step))
+        return NULL;
+    if (step < 2 || step > (1 << 20)) { /* >= 2: a rehash ends before the next one is due */
+        PyErr_Format(PyExc_ValueError, "LearnedTable: mig_step must be in [2, 2**20], got %zd", step);
         return NULL;
     }
     LearnedTable *m = (LearnedTable *)type->tp_alloc(type, 0);
@@ -18,6 +22,7 @@ lt_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         return PyErr_NoMemory();
     }
     m->slot_mask = 15;
+    m->mig_step = (uint32_t)step;
     return (PyObject *)m;
 }
 
@@ -50,6 +55,7 @@ lt_dealloc(LearnedTable *m)
     lt_clear(m);
     PyMem_RawFree(m->ent);
     PyMem_RawFree(m->slot);
+    PyMem_RawFree(m->old.slot);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
 
@@ -264,8 +270,17 @@ lt_nbytes(LearnedTable *m, PyObject *u)
         Py_DECREF(sz);
         return PyLong_FromSize_t(b);
     }
-    size_t b = sizeof(LearnedTable) + (size_t)m->cap * sizeof(LEntry) + ((size_t)m->slot_mask + 1) * sizeof(uint32_t);
+    size_t b = sizeof(LearnedTable) + (size_t)m->cap * sizeof(LEntry) + ((size_t)m->slot_mask + 1) * sizeof(uint32_t) +
+               (m->old.slot ? ((size_t)m->old.mask + 1) * sizeof(uint32_t) : 0);
     return PyLong_FromSize_t(b);
+}
+
+/* growth_stats() -> {moved_max, rehashes, rehashing, mig_step} (for tests) */
+static PyObject *
+lt_py_growth_stats(LearnedTable *m, PyObject *unused)
+{
+    return Py_BuildValue("{sKsKsisI}", "moved_max", m->moved_max, "rehashes", m->rehashes, "rehashing",
+                         m->old.slot != NULL, "mig_step", m->mig_step);
 }
 
 static PyObject *
@@ -283,6 +298,7 @@ static PyMethodDef lt_methods[] = {
     {"oldest", (PyCFunction)lt_oldest, METH_O, "oldest(n) -> the n oldest keys"},
     {"nbytes", (PyCFunction)lt_nbytes, METH_NOARGS, "bytes held"},
     {"is_dict", (PyCFunction)lt_is_dict, METH_NOARGS, "True once a key that cannot be inline turned it into a dict"},
+    {"growth_stats", (PyCFunction)lt_py_growth_stats, METH_NOARGS, "how growth moved entries (for tests)"},
     {NULL, NULL, 0, NULL},
 };
 

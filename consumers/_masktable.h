@@ -75,22 +75,105 @@ oa_delete(uint32_t *slot, uint32_t slot_mask, uint32_t pos, const void *table, o
     }
 }
 
+/* An incremental rehash (MaskTable and LearnedTable): the table being drained into a new one
+ * twice its size. The new one takes every insert; each insert or update moves the old one's
+ * next `step` positions over; a lookup that misses the new one looks in the old one. A moved
+ * or deleted old position becomes OA_TOMB (lookups probe past it, so probe runs stay whole).
+ * With step >= 2 the old table is empty before the new one reaches its load limit (1/2). */
+#define OA_TOMB ((uint32_t)0xFFFFFFFFu) /* old-table slot: moved or deleted (never entry + 1) */
+#define OA_OLD ((uint32_t)0x80000000u)  /* a position in the old table (tables hold <= 2**31 slots) */
+#define OA_STEP 16                      /* old positions moved per insert or update, by default */
+
+typedef struct {
+    uint32_t *slot; /* NULL: no rehash under way */
+    uint32_t mask;
+    uint32_t next;  /* the next position to move */
+} OaOld;
+
+/* the old table's half of a lookup: the entry of k (*pos = OA_OLD | position), or MT_NONE */
+static __attribute__((noinline, cold)) uint32_t
+oa_find_old(const OaOld *o, uint64_t k, const void *table, oa_key_fn key_of, uint32_t *pos)
+{
+    uint32_t i = oa_home(k, o->mask);
+    for (;;) {
+        uint32_t s = o->slot[i];
+        if (s == 0)
+            return MT_NONE;
+        if (s != OA_TOMB && key_of(table, s - 1) == k) {
+            if (pos) *pos = OA_OLD | i;
+            return s - 1;
+        }
+        i = (i + 1) & o->mask;
+    }
+}
+
+/* move the old table's next n positions (every one for n = 0) into slot[]; the old table is
+ * freed when it is empty. Entries moved. */
+static uint64_t
+oa_migrate(OaOld *o, uint32_t *slot, uint32_t slot_mask, uint32_t n, const void *table, oa_key_fn key_of)
+{
+    uint64_t moved = 0;
+    while (o->slot != NULL) {
+        uint32_t s = o->slot[o->next];
+        if (s != 0 && s != OA_TOMB) {
+            oa_place(slot, slot_mask, key_of(table, s - 1), s - 1);
+            o->slot[o->next] = OA_TOMB;
+            moved++;
+        }
+        if (o->next++ == o->mask) {
+            PyMem_RawFree(o->slot);
+            o->slot = NULL;
+            o->mask = o->next = 0;
+        }
+        if (n && --n == 0)
+            break;
+    }
+    return moved;
+}
+
+/* start draining (*slot, *slot_mask) into a new table twice its size (after finishing a
+ * drain still under way: never with step >= 2). 0, or -1 with MemoryError */
+static int
+oa_start_rehash(OaOld *o, uint32_t **slot, uint32_t *slot_mask, const void *table, oa_key_fn key_of,
+                uint64_t *moved)
+{
+    uint32_t *fresh = oa_new_slots((*slot_mask + 1) * 2);
+    if (fresh == NULL)
+        return -1;
+    *moved += oa_migrate(o, *slot, *slot_mask, 0, table, key_of);
+    o->slot = *slot;
+    o->mask = *slot_mask;
+    o->next = 0;
+    *slot = fresh;
+    *slot_mask = *slot_mask * 2 + 1;
+    return 0;
+}
+
 typedef struct {
     PyObject_HEAD
     uint32_t W;         /* 64-bit words per mask */
     uint32_t n;         /* live keys */
-    uint32_t cap;       /* entries allocated */
+    uint32_t cap;       /* entries allocated (over every segment) */
     uint32_t used;      /* entries handed out so far (the rest of cap is untouched) */
     uint32_t free_head; /* recycled entries, chained through nxt */
     uint32_t head;      /* oldest */
     uint32_t tail;      /* newest */
-    void *raw;          /* the entries' allocation; `base` is it aligned to 64 bytes */
-    char *base;         /* cap entries of `stride` bytes (MEnt), one cache line for 4 mask words */
+    uint32_t seg_shift; /* entries live in segments of 1 << seg_shift entries (see mt_seg_shift) */
+    uint32_t seg_mask;  /* (1 << seg_shift) - 1 */
+    char **seg;         /* the segments, each aligned to 64 bytes; segment 0 grows to full size */
+    void **seg_raw;     /* their allocations */
+    uint32_t nseg;      /* segments in use */
+    uint32_t seg_room;  /* pointers the two arrays above have room for */
     size_t stride;
     uint32_t *slot;     /* entry + 1; 0 = empty */
     uint32_t slot_mask; /* table size - 1 (a power of two) */
+    OaOld old;          /* the previous, smaller table while an incremental rehash runs */
+    uint32_t mig_step;  /* old positions moved per insert or update while a rehash runs */
     uint64_t version;   /* bumped by every change */
     long long entries;  /* set bits over every key: the index's (key, endpoint, tier) entries */
+    unsigned long long moved_max;   /* most entries one operation moved (rehash + segment copy) */
+    unsigned long long moved_total; /* entries moved by growth, over the table's life */
+    unsigned long long rehashes;    /* incremental rehashes started */
 } MaskTable;
 
 /* One key's entry: everything a lookup, an LRU move and a bit update touch, together. */
@@ -102,7 +185,14 @@ typedef struct {
     uint64_t bits[];    /* W words */
 } MEnt;
 
-#define ENT(t, e) ((MEnt *)((t)->base + (size_t)(e) * (t)->stride))
+/* Growth never stops the world: entries live in fixed-size segments (a new one is added when
+ * the last is full; only segment 0 grows by copying, up to one segment), so an entry never
+ * moves once its segment is full; the slot table doubles incrementally (OaOld above). */
+#define MT_SEG_BYTES ((size_t)256 << 10) /* a full segment's size, about */
+
+#define ENT(t, e) \
+    ((MEnt *)((t)->seg[(uint32_t)(e) >> (t)->seg_shift] + \
+              (size_t)((uint32_t)(e) & (t)->seg_mask) * (t)->stride))
 
 static PyTypeObject MaskTableType;
 
@@ -111,20 +201,6 @@ mt_stride(uint32_t W)
 {
     size_t s = sizeof(MEnt) + (size_t)W * sizeof(uint64_t);
     return (s + 7) & ~(size_t)7;
-}
-
-/* a zeroed block of n entries of `stride` bytes, aligned to 64: (raw, base) or -1 */
-static int
-mt_alloc_entries(size_t n, size_t stride, void **raw, char **base)
-{
-    void *r = PyMem_RawCalloc(1, n * stride + 64);
-    if (r == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    *raw = r;
-    *base = (char *)(((uintptr_t)r + 63) & ~(uintptr_t)63);
-    return 0;
 }
 
 static inline uint32_t
@@ -139,68 +215,28 @@ mt_key_at(const void *t, uint32_t e)
     return ENT((const MaskTable *)t, e)->key;
 }
 
-/* entry of k, or MT_NONE; *pos gets the table position where it is (or would go) */
+#include "_masktable_grow.h"
+
+/* entry of k, or MT_NONE; *pos gets the position where it is, OA_OLD | position when that is
+ * in the old table of a rehash under way, or, when absent, where it would go */
 static inline uint32_t
 mt_find(const MaskTable *t, uint64_t k, uint32_t *pos)
 {
     uint32_t i = mt_home(t, k);
     for (;;) {
         uint32_t s = t->slot[i];
-        if (s == 0) {
-            if (pos) *pos = i;
-            return MT_NONE;
-        }
+        if (s == 0)
+            break;
         if (ENT(t, s - 1)->key == k) {
             if (pos) *pos = i;
             return s - 1;
         }
         i = (i + 1) & t->slot_mask;
     }
-}
-
-static int
-mt_rehash(MaskTable *t, uint32_t size)
-{
-    uint32_t *slot = oa_new_slots(size);
-    if (slot == NULL)
-        return -1;
-    PyMem_RawFree(t->slot);
-    t->slot = slot;
-    t->slot_mask = size - 1;
-    for (uint32_t e = t->head; e != MT_NONE; e = ENT(t, e)->nxt)
-        oa_place(slot, t->slot_mask, ENT(t, e)->key, e);
-    return 0;
-}
-
-static int
-mt_reserve(MaskTable *t)
-{
-    if ((uint64_t)(t->n + 1) * 2 > (uint64_t)t->slot_mask + 1) {
-        if (t->slot_mask >= 0x7FFFFFFFu) {
-            PyErr_SetString(PyExc_MemoryError, "router index: too many keys");
-            return -1;
-        }
-        if (mt_rehash(t, (t->slot_mask + 1) * 2) < 0)
-            return -1;
-    }
-    if (t->free_head == MT_NONE && t->used == t->cap) {
-        uint64_t ncap = t->cap ? (uint64_t)t->cap * 2 : 64;
-        if (ncap >= MT_NONE) {
-            PyErr_SetString(PyExc_MemoryError, "router index: too many keys");
-            return -1;
-        }
-        void *raw;
-        char *base;
-        if (mt_alloc_entries(ncap, t->stride, &raw, &base) < 0)
-            return -1;
-        if (t->used)
-            memcpy(base, t->base, (size_t)t->used * t->stride);
-        PyMem_RawFree(t->raw);
-        t->raw = raw;
-        t->base = base;
-        t->cap = (uint32_t)ncap;
-    }
-    return 0;
+    if (pos) *pos = i;
+    if (__builtin_expect(t->old.slot != NULL, 0))
+        return oa_find_old(&t->old, k, t, mt_key_at, pos);
+    return MT_NONE;
 }
 
 static inline void
@@ -220,20 +256,26 @@ mt_link_tail(MaskTable *t, uint32_t e)
     t->tail = e;
 }
 
-/* the entry of k, created (empty mask, newest) if absent; *created tells which. MT_NONE on error */
+/* the entry of k, created (empty mask, newest) if absent; *created tells which. MT_NONE on error.
+ * While a rehash runs, every call moves the next mig_step positions of the old table. */
 static uint32_t
 mt_get_or_add(MaskTable *t, uint64_t k, int *created)
 {
+    uint64_t moved = 0;
+    if (__builtin_expect(t->old.slot != NULL, 0))
+        moved = oa_migrate(&t->old, t->slot, t->slot_mask, t->mig_step, t, mt_key_at);
     uint32_t pos;
     uint32_t e = mt_find(t, k, &pos);
     if (e != MT_NONE) {
         *created = 0;
+        mt_count_moved(t, moved);
         return e;
     }
-    uint32_t before = t->slot_mask;
-    if (mt_reserve(t) < 0)
+    int changed = mt_reserve(t, &moved);
+    mt_count_moved(t, moved);
+    if (changed < 0)
         return MT_NONE;
-    if (t->slot_mask != before)
+    if (changed)
         mt_find(t, k, &pos);
     if (t->free_head != MT_NONE) {
         e = t->free_head;
@@ -252,11 +294,15 @@ mt_get_or_add(MaskTable *t, uint64_t k, int *created)
     return e;
 }
 
-/* delete the key at table position pos (backward-shift), entry e */
+/* delete the key at position pos (as mt_find gives it), entry e: a backward shift in the
+ * current table, a tombstone in the old one */
 static void
 mt_delete(MaskTable *t, uint32_t pos, uint32_t e)
 {
-    oa_delete(t->slot, t->slot_mask, pos, t, mt_key_at);
+    if (pos & OA_OLD)
+        t->old.slot[pos & ~OA_OLD] = OA_TOMB;
+    else
+        oa_delete(t->slot, t->slot_mask, pos, t, mt_key_at);
     mt_unlink(t, e);
     ENT(t, e)->nxt = t->free_head;
     t->free_head = e;

@@ -5,12 +5,16 @@
 static PyObject *
 mt_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"bits", NULL};
-    Py_ssize_t nbits;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "n:MaskTable", names, &nbits))
+    static char *names[] = {"bits", "mig_step", NULL};
+    Py_ssize_t nbits, step = OA_STEP;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "n|n:MaskTable", names, &nbits, &step))
         return NULL;
     if (nbits < 1 || nbits > (1 << 20)) {
         PyErr_Format(PyExc_ValueError, "MaskTable: bits must be in [1, 2**20], got %zd", nbits);
+        return NULL;
+    }
+    if (step < 2 || step > (1 << 20)) { /* >= 2: a rehash ends before the next one is due */
+        PyErr_Format(PyExc_ValueError, "MaskTable: mig_step must be in [2, 2**20], got %zd", step);
         return NULL;
     }
     MaskTable *t = (MaskTable *)type->tp_alloc(type, 0);
@@ -18,6 +22,9 @@ mt_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         return NULL;
     t->W = (uint32_t)((nbits + 63) / 64);
     t->stride = mt_stride(t->W);
+    t->seg_shift = mt_seg_shift(t->stride);
+    t->seg_mask = ((uint32_t)1 << t->seg_shift) - 1;
+    t->mig_step = (uint32_t)step;
     t->free_head = t->head = t->tail = MT_NONE;
     t->slot = PyMem_RawCalloc(16, sizeof(uint32_t));
     if (t->slot == NULL) {
@@ -31,8 +38,9 @@ mt_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 static void
 mt_dealloc(MaskTable *t)
 {
-    PyMem_RawFree(t->raw);
+    mt_store_free(t);
     PyMem_RawFree(t->slot);
+    PyMem_RawFree(t->old.slot);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -122,8 +130,8 @@ mt_iter(MaskTable *t)
 static PyObject *
 mt_py_nbytes(MaskTable *t, PyObject *unused)
 {
-    size_t b = sizeof(MaskTable) + (size_t)t->cap * t->stride + (t->raw ? 64 : 0) +
-               ((size_t)t->slot_mask + 1) * sizeof(uint32_t);
+    size_t b = sizeof(MaskTable) + mt_store_nbytes(t) + ((size_t)t->slot_mask + 1) * sizeof(uint32_t) +
+               (t->old.slot ? ((size_t)t->old.mask + 1) * sizeof(uint32_t) : 0);
     return PyLong_FromSize_t(b);
 }
 

@@ -368,30 +368,41 @@ mt_py_grow(MaskTable *t, PyObject *args)
         return NULL;
     }
     uint32_t W2 = (uint32_t)(((uint64_t)new_cap * tiers + 63) / 64);
-    size_t stride2 = mt_stride(W2);
-    void *raw;
-    char *base;
-    if (mt_alloc_entries(t->cap ? t->cap : 1, stride2, &raw, &base) < 0)
-        return NULL;
+    MaskTable d = {0}; /* the new entry store (only its store fields are used) */
+    d.stride = mt_stride(W2);
+    d.seg_shift = mt_seg_shift(d.stride);
+    d.seg_mask = ((uint32_t)1 << d.seg_shift) - 1;
+    uint64_t unused_moved = 0;
+    while (d.cap < t->used)
+        if (mt_store_add(&d, &unused_moved) < 0) {
+            mt_store_free(&d);
+            return NULL;
+        }
     for (uint32_t e = 0; e < t->used; e++) { /* every entry, free ones too (their links matter) */
         const MEnt *o = ENT(t, e);
-        MEnt *d = (MEnt *)(base + (size_t)e * stride2);
-        d->key = o->key;
-        d->par = o->par;
-        d->prv = o->prv;
-        d->nxt = o->nxt;
+        MEnt *n = ENT(&d, e);
+        n->key = o->key;
+        n->par = o->par;
+        n->prv = o->prv;
+        n->nxt = o->nxt;
         for (uint32_t tier = 0; tier < tiers; tier++)
             for (uint32_t s = 0; s < old_cap; s++) {
                 uint32_t b = tier * old_cap + s;
                 if (o->bits[b >> 6] >> (b & 63) & 1) {
                     uint32_t nb = tier * new_cap + s;
-                    d->bits[nb >> 6] |= (uint64_t)1 << (nb & 63);
+                    n->bits[nb >> 6] |= (uint64_t)1 << (nb & 63);
                 }
             }
     }
-    PyMem_RawFree(t->raw);
-    t->raw = raw;
-    t->base = base;
+    mt_store_free(t);
+    t->seg = d.seg;
+    t->seg_raw = d.seg_raw;
+    t->nseg = d.nseg;
+    t->seg_room = d.seg_room;
+    t->cap = d.cap;
+    t->seg_shift = d.seg_shift;
+    t->seg_mask = d.seg_mask;
+    size_t stride2 = d.stride;
     t->stride = stride2;
     t->W = W2;
     t->version++;
@@ -416,6 +427,7 @@ static PyMethodDef mt_methods[] = {
     {"load", (PyCFunction)mt_py_load, METH_O, "load(items): add (key, mask, parent) items, oldest first"},
     {"grow", (PyCFunction)mt_py_grow, METH_VARARGS, "grow(old_cap, new_cap, tiers): re-lay every mask"},
     {"nbytes", (PyCFunction)mt_py_nbytes, METH_NOARGS, "bytes held"},
+    {"growth_stats", (PyCFunction)mt_py_growth_stats, METH_NOARGS, "how growth moved entries (for tests)"},
     {"bit_count", (PyCFunction)mt_py_bit_count, METH_NOARGS, "set bits over every key"},
     {NULL, NULL, 0, NULL},
 };
