@@ -42,6 +42,11 @@ class Unattributed:
     batches: int = 0
 
 
+#: how a pod's publisher states roll up into the pod's: the highest rank wins (an unknown state
+#: ranks above all)
+_ROLLUP = {"SYNCED": 0, "RECOVERING": 1, "CONNECTING": 2, "STALE": 3}
+
+
 @dataclass(slots=True)
 class PodStatus:
     name: str
@@ -227,10 +232,9 @@ class Fleet:
                     st.lag_s = max(0.0, last[1] - last[2])
             if len(st.publishers) > 1:
                 st.batches = sum(health[i].received for i in st.publishers if i in health)
-            worst = "SYNCED"
-            for s in states:
-                if s == "STALE" or (s == "RECOVERING" and worst == "SYNCED"):
-                    worst = s
+            # the pod's state is its least useful publisher's: a never-heard one (CONNECTING) is
+            # not synced, and a pod with one is neither SYNCED nor ready
+            worst = max(states, key=lambda s: _ROLLUP.get(s, len(_ROLLUP)), default="SYNCED")
             st.state = worst
             if worst == "SYNCED":
                 st.synced_once = True

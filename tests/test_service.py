@@ -166,6 +166,37 @@ def test_readiness_flips_when_the_late_join_replay_is_done(tmp_path) -> None:
             pub.shutdown(timeout=0.5)
 
 
+def test_a_never_heard_publisher_is_connecting_in_pods_and_not_ready(tmp_path) -> None:
+    # no replay endpoint and nothing published yet: the subscriber says CONNECTING, and so must
+    # /v1/pods (it used to roll CONNECTING up as SYNCED, and /readyz said ready)
+    ep = f"ipc://{tmp_path}/a.pub"
+    cfg = from_dict({"router": {"model": MODEL}, "api": {"port": 0},
+                     "pods": [{"name": "a", "endpoint": ep}]}).validate()
+    svc = InProcessService(cfg)
+    pub = None
+    try:
+        http = svc.http
+        def pod():
+            p = http.get("/v1/pods")[1]["pods"][0]
+            return p if p["state"] != "RECOVERING" else None  # RECOVERING: before the first refresh
+
+        first = wait_for(pod, what="the pod's state from the subscriber's health")
+        assert first["state"] == "CONNECTING" and not first["synced_once"]
+        assert http.get("/readyz") == (503, {"ready": False, "waiting_for": ["a"]})
+        pub = ZmqEventPublisher(ep, None, topic="")
+
+        def heard():
+            pub.publish(stored(TOKS, [1, 2, 3, 4]))
+            return http.get("/v1/pods")[1]["pods"][0]["state"] == "SYNCED"
+
+        wait_for(heard, what="SYNCED once a batch arrived")
+        assert http.get("/readyz")[0] == 200
+    finally:
+        svc.close()
+        if pub is not None:
+            pub.shutdown(timeout=0.5)
+
+
 def test_config_without_a_model_is_refused_at_start_naming_the_key(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"pods\[0\]\.model: .*topic \"\" does not carry one"):
         from_dict({"pods": [{"name": "a", "endpoint": f"ipc://{tmp_path}/a.pub"}]}).validate()
@@ -209,16 +240,23 @@ def test_bind_mode_counts_and_logs_batches_it_cannot_attribute(tmp_path, caplog)
 
 
 def test_a_gap_shows_the_pod_unreliable_and_a_reset_clears_it(tmp_path) -> None:
-    from kvevents import Delivery, DeliveryKind, encode_batch
+    from kvevents import Delivery, DeliveryKind
     from kvservice.ingest import Fleet
 
     cfg = from_dict({"router": {"model": MODEL}, "subscriber": {"late_join": False},
                      "pods": [{"name": "a", "endpoint": f"ipc://{tmp_path}/a.pub"}]}).validate()
     fleet = Fleet(cfg)
+    pub = ZmqEventPublisher(f"ipc://{tmp_path}/a.pub", None, topic="")
     try:
-        payload = encode_batch(stored(TOKS, [1, 2, 3, 4]))
-        fleet.take(Delivery(DeliveryKind.BATCH, "a", "", 0, None, 1.0, payload=payload))
-        assert fleet.router.pick(TOKS, model=MODEL) == "a"
+        # the first batch through the real subscriber (so it has heard the publisher: a pod
+        # whose publisher was never heard is CONNECTING, not SYNCED)
+        def heard():
+            pub.publish(stored(TOKS, [1, 2, 3, 4]))
+            for d in fleet.sub.poll(20):
+                fleet.take(d)
+            return fleet.router.pick(TOKS, model=MODEL) == "a"
+
+        wait_for(heard, what="the first batch indexed")
         fleet.take(Delivery(DeliveryKind.GAP, "a", "", 1, missed=3, reason="lost"))
         fleet._refresh(2.0)
         assert fleet.pods["a"].state == "UNRELIABLE"
@@ -228,3 +266,4 @@ def test_a_gap_shows_the_pod_unreliable_and_a_reset_clears_it(tmp_path) -> None:
         assert fleet.pods["a"].state == "SYNCED" and fleet.unattributed == {}
     finally:
         fleet.stop()
+        pub.shutdown(timeout=0.5)
