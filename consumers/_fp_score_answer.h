@@ -118,19 +118,15 @@ typedef struct {
     PyObject *pod, *rank, *state, *factor_o; /* borrowed from the plan */
     const char *name;
     Py_ssize_t name_len;
-    double total;
-    long long matched;
-    uint32_t ntier;
-    uint32_t tier[ST_MAX]; /* stage whose name comes first, in the order the dict would hold them */
-    long long toks[ST_MAX];
+    PodTiers t;
 } PodAns;
 
 static int
 podans_cmp(const void *a, const void *b)
 {
     const PodAns *x = *(PodAns *const *)a, *y = *(PodAns *const *)b;
-    if (x->total != y->total)
-        return x->total > y->total ? -1 : 1; /* higher total first (loads are all 0.0) */
+    if (x->t.total != y->t.total)
+        return x->t.total > y->t.total ? -1 : 1; /* higher total first (loads are all 0.0) */
     Py_ssize_t m = x->name_len < y->name_len ? x->name_len : y->name_len;
     int c = memcmp(x->name, y->name, (size_t)m); /* UTF-8 order is code point order (str's <) */
     return c ? c : (x->name_len > y->name_len) - (x->name_len < y->name_len);
@@ -143,44 +139,21 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "score_json(table, tokens, parent, block_size, plan, model)");
         return NULL;
     }
-    PyObject *plan = args[4], *model = args[5];
-    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != PLAN_LEN || !PyUnicode_Check(model)) {
-        PyErr_SetString(PyExc_TypeError, "score_json: plan must be the Scorer's plan tuple, model a str");
+    PyObject *model = args[5];
+    if (!PyUnicode_Check(model)) {
+        PyErr_SetString(PyExc_TypeError, "score_json: model must be a str");
         return NULL;
     }
-    PyObject *rows = PyTuple_GET_ITEM(plan, 2), *names = PyTuple_GET_ITEM(plan, 3);
-    PyObject *weights = PyTuple_GET_ITEM(plan, 4);
-    double lw = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 5)), neg_lw = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 6));
-    long C = PyLong_AsLong(PyTuple_GET_ITEM(plan, 8));
-    if (PyErr_Occurred())
+    Plan p;
+    if (plan_open(&p, args, "score_json") < 0)
         return NULL;
-    if (!PyTuple_Check(rows) || !PyTuple_Check(names) || !PyTuple_Check(weights) ||
-        PyTuple_GET_SIZE(weights) != PyTuple_GET_SIZE(names)) {
-        PyErr_SetString(PyExc_TypeError, "score_json: malformed plan");
-        return NULL;
-    }
-    PyObject *wargs[6] = {args[0], args[1], args[2], args[3], PyTuple_GET_ITEM(plan, 0), PyTuple_GET_ITEM(plan, 1)};
-    Walk w;
-    Py_ssize_t nrows = PyTuple_GET_SIZE(rows);
+    PyObject *names = p.names;
+    Py_ssize_t nrows = p.nrows, n_tok = p.n_tok;
     PodAns *ans = NULL;
     PodAns **best = NULL, **order = NULL; /* best: per pod index; order: the pods in first-seen order */
     JBuf j = {NULL, 0, 0, 0};
     PyObject *result = NULL, *top_tiers = NULL;
     const double pod_load = 0.0;
-    if (walk_all(&w, wargs) < 0)
-        goto fail;
-    if (w.T > (uint32_t)PyTuple_GET_SIZE(names)) {
-        PyErr_SetString(PyExc_ValueError, "score_json: fewer tier names than lanes");
-        goto fail;
-    }
-    double wt[ST_MAX];
-    for (uint32_t s = 0; s < w.T; s++)
-        if ((wt[s] = PyFloat_AsDouble(PyTuple_GET_ITEM(weights, s))) == -1.0 && PyErr_Occurred())
-            goto fail;
-    Py_ssize_t n_tok = PyObject_Length(args[1]);
-    if (n_tok < 0)
-        goto fail;
-    double n_tokens = n_tok > 1 ? (double)n_tok : 1.0;
     size_t cnt = nrows ? (size_t)nrows : 1;
     ans = PyMem_Calloc(cnt, sizeof(PodAns));
     best = PyMem_Calloc(cnt, sizeof(PodAns *));
@@ -191,65 +164,28 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     size_t npods = 0;
     for (Py_ssize_t r = 0; r < nrows; r++) {
-        PyObject *row = PyTuple_GET_ITEM(rows, r);
-        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 6) {
-            PyErr_SetString(PyExc_TypeError, "score_json: a row is (slot, pod, rank, state, factor, pod_index)");
+        long slot;
+        Py_ssize_t pi;
+        double factor;
+        PyObject *row = plan_row(&p, r, "score_json", &slot, &pi, &factor);
+        if (row == NULL)
             goto fail;
-        }
-        long slot = PyLong_AsLong(PyTuple_GET_ITEM(row, 0));
-        Py_ssize_t pi = PyLong_AsSsize_t(PyTuple_GET_ITEM(row, 5));
         PodAns *a = &ans[r];
         a->pod = PyTuple_GET_ITEM(row, 1);
         a->rank = PyTuple_GET_ITEM(row, 2);
         a->state = PyTuple_GET_ITEM(row, 3);
         a->factor_o = PyTuple_GET_ITEM(row, 4);
-        double factor = PyFloat_AsDouble(a->factor_o);
-        if (PyErr_Occurred())
-            goto fail;
-        if (slot < 0 || (uint32_t)slot >= w.nslots || pi < 0 || pi >= nrows) {
-            PyErr_SetString(PyExc_ValueError, "score_json: a row's slot or pod index is out of range");
-            goto fail;
-        }
         /* only what this writer writes like msgspec: exact str pod/state, int rank, float factor */
         if (!PyUnicode_CheckExact(a->pod) || !PyUnicode_CheckExact(a->state) || !PyLong_CheckExact(a->rank) ||
             !PyFloat_CheckExact(a->factor_o))
             goto unknown;
         a->name = PyUnicode_AsUTF8AndSize(a->pod, &a->name_len);
-        if (a->name == NULL)
+        if (a->name == NULL || plan_pod(&p, slot, factor, pod_load, &a->t) < 0)
             goto fail;
-        uint32_t ns = w.nseg[slot];
-        if (!ns) {
-            a->total = neg_lw * pod_load;
-        } else {
-            int32_t end = w.endv[slot] >= 0 ? w.endv[slot] : (int32_t)w.n;
-            double weighted = 0.0;
-            for (uint32_t q = 0; q < ns; q++) {
-                SegEv ev = w.segs[slot * w.T + q];
-                int32_t last = q + 1 < ns ? w.segs[slot * w.T + q + 1].first : end;
-                if (last <= ev.first)
-                    continue;
-                long long toks = (long long)(last - ev.first) * C;
-                /* by_tier[name] += toks, names kept in first-insertion order (a dict's) */
-                PyObject *name = PyTuple_GET_ITEM(names, ev.stage);
-                uint32_t t = 0;
-                while (t < a->ntier && PyUnicode_Compare(PyTuple_GET_ITEM(names, a->tier[t]), name) != 0)
-                    t++;
-                if (PyErr_Occurred())
-                    goto fail;
-                if (t == a->ntier) {
-                    a->tier[a->ntier++] = (uint32_t)ev.stage;
-                    a->toks[t] = 0;
-                }
-                a->toks[t] += toks;
-                weighted += wt[ev.stage] * (double)(last - ev.first) * (double)C;
-            }
-            a->total = factor * weighted / n_tokens - lw * pod_load;
-            a->matched = (long long)end * C;
-        }
         /* keep the pod's best rank: replace if prev is None or total > prev.total */
         if (best[pi] == NULL)
             order[npods++] = best[pi] = a;
-        else if (a->total > best[pi]->total) {
+        else if (a->t.total > best[pi]->t.total) {
             for (size_t q = 0; q < npods; q++)
                 if (order[q] == best[pi])
                     order[q] = a;
@@ -274,17 +210,17 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         JB_LIT(&j, "{\"pod\":");
         jb_str(&j, a->pod);
         JB_LIT(&j, ",\"total\":");
-        jb_double(&j, a->total);
+        jb_double(&j, a->t.total);
         JB_LIT(&j, ",\"tokens_by_tier\":{");
-        for (uint32_t t = 0; t < a->ntier; t++) {
+        for (uint32_t t = 0; t < a->t.ntier; t++) {
             if (t)
                 JB_LIT(&j, ",");
-            jb_str(&j, PyTuple_GET_ITEM(names, a->tier[t]));
+            jb_str(&j, PyTuple_GET_ITEM(names, a->t.tier[t]));
             JB_LIT(&j, ":");
-            jb_long(&j, a->toks[t]);
+            jb_long(&j, a->t.toks[t]);
         }
         JB_LIT(&j, "},\"matched_tokens\":");
-        jb_long(&j, a->matched);
+        jb_long(&j, a->t.matched);
         JB_LIT(&j, ",\"rank\":");
         long long rank = PyLong_AsLongLong(a->rank);
         if (rank == -1 && PyErr_Occurred())
@@ -301,19 +237,8 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     JB_LIT(&j, "]}");
     if (j.err) /* a str that is not UTF-8 (lone surrogates), or no memory: the Python path answers */
         goto unknown;
-    if (npods) {
-        top_tiers = PyDict_New();
-        if (top_tiers == NULL)
-            goto fail;
-        for (uint32_t t = 0; t < order[0]->ntier; t++) {
-            PyObject *v = PyLong_FromLongLong(order[0]->toks[t]);
-            if (v == NULL || PyDict_SetItem(top_tiers, PyTuple_GET_ITEM(names, order[0]->tier[t]), v) < 0) {
-                Py_XDECREF(v);
-                goto fail;
-            }
-            Py_DECREF(v);
-        }
-    }
+    if (npods && (top_tiers = plan_tiers_dict(&p, &order[0]->t)) == NULL)
+        goto fail;
     PyObject *bytes = PyBytes_FromStringAndSize(j.p, (Py_ssize_t)j.n);
     if (bytes != NULL)
         result = Py_BuildValue("(NO)", bytes, top_tiers ? top_tiers : Py_None);
@@ -326,6 +251,6 @@ fail:
     PyMem_Free(ans);
     PyMem_Free(best);
     PyMem_Free(order);
-    walk_free(&w);
+    plan_close(&p);
     return result;
 }

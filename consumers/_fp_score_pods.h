@@ -103,9 +103,160 @@ done:
     return res;
 }
 
-/* ------------------------------------------------------------------ score_pods */
+/* ------------------------------------------------------------------ the plan, shared */
 
 #define PLAN_LEN 9
+
+/* One call's plan, unpacked, with the walk done: what score_pods and score_json share. */
+typedef struct {
+    Walk w;
+    PyObject *rows, *names, *score_type; /* borrowed from the plan */
+    Py_ssize_t nrows, n_tok;
+    double lw, neg_lw; /* -load_weight is negated where load_weight is (0 -> 0, 0.0 -> -0.0) */
+    double n_tokens;   /* max(len(tokens), 1) as a float */
+    long C;            /* block size */
+    double wt[ST_MAX]; /* per stage: its tier's weight */
+} Plan;
+
+/* One endpoint's answer from the walk: tokens by tier name (names in a dict's first-insertion
+ * order), weighted total and matched tokens, with Scorer.score's float arithmetic in its order
+ * (so the same totals bit for bit). */
+typedef struct {
+    double total;
+    long long matched;
+    uint32_t ntier;
+    uint32_t tier[ST_MAX]; /* the stage whose name comes first */
+    long long toks[ST_MAX];
+} PodTiers;
+
+/* args: (table, tokens, parent, block_size, plan, ...): unpack the plan and walk. 0, or -1 with
+ * an exception (nothing to free); after 0, plan_close(p). fn names the caller in errors. */
+static int
+plan_open(Plan *p, PyObject *const *args, const char *fn)
+{
+    PyObject *plan = args[4];
+    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != PLAN_LEN) {
+        PyErr_Format(PyExc_TypeError, "%s: plan must be the Scorer's plan tuple", fn);
+        return -1;
+    }
+    p->rows = PyTuple_GET_ITEM(plan, 2);
+    p->names = PyTuple_GET_ITEM(plan, 3);
+    p->score_type = PyTuple_GET_ITEM(plan, 7);
+    PyObject *weights = PyTuple_GET_ITEM(plan, 4);
+    p->lw = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 5));
+    p->neg_lw = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 6));
+    p->C = PyLong_AsLong(PyTuple_GET_ITEM(plan, 8));
+    if (PyErr_Occurred())
+        return -1;
+    if (!PyTuple_Check(p->rows) || !PyTuple_Check(p->names) || !PyTuple_Check(weights) ||
+        PyTuple_GET_SIZE(weights) != PyTuple_GET_SIZE(p->names)) {
+        PyErr_Format(PyExc_TypeError, "%s: malformed plan", fn);
+        return -1;
+    }
+    p->nrows = PyTuple_GET_SIZE(p->rows);
+    PyObject *wargs[6] = {args[0], args[1], args[2], args[3], PyTuple_GET_ITEM(plan, 0), PyTuple_GET_ITEM(plan, 1)};
+    if (walk_all(&p->w, wargs) < 0)
+        goto fail;
+    if (p->w.T > (uint32_t)PyTuple_GET_SIZE(p->names)) {
+        PyErr_Format(PyExc_ValueError, "%s: fewer tier names than lanes", fn);
+        goto fail;
+    }
+    for (uint32_t s = 0; s < p->w.T; s++)
+        if ((p->wt[s] = PyFloat_AsDouble(PyTuple_GET_ITEM(weights, s))) == -1.0 && PyErr_Occurred())
+            goto fail;
+    if (PyList_Check(args[1]) || PyTuple_Check(args[1]))
+        p->n_tok = PySequence_Fast_GET_SIZE(args[1]);
+    else if ((p->n_tok = PyObject_Length(args[1])) < 0)
+        goto fail;
+    p->n_tokens = p->n_tok > 1 ? (double)p->n_tok : 1.0;
+    return 0;
+fail:
+    walk_free(&p->w);
+    return -1;
+}
+
+static inline void
+plan_close(Plan *p)
+{
+    walk_free(&p->w);
+}
+
+/* row r of the plan: (slot, pod, rank, state, factor, pod_index), checked; *slot, *pi, *factor.
+ * The row (borrowed), or NULL with an exception */
+static PyObject *
+plan_row(const Plan *p, Py_ssize_t r, const char *fn, long *slot, Py_ssize_t *pi, double *factor)
+{
+    PyObject *row = PyTuple_GET_ITEM(p->rows, r);
+    if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 6) {
+        PyErr_Format(PyExc_TypeError, "%s: a row is (slot, pod, rank, state, factor, pod_index)", fn);
+        return NULL;
+    }
+    *slot = PyLong_AsLong(PyTuple_GET_ITEM(row, 0));
+    *pi = PyLong_AsSsize_t(PyTuple_GET_ITEM(row, 5));
+    *factor = PyFloat_AsDouble(PyTuple_GET_ITEM(row, 4));
+    if (PyErr_Occurred())
+        return NULL;
+    if (*slot < 0 || (uint32_t)*slot >= p->w.nslots || *pi < 0 || *pi >= p->nrows) {
+        PyErr_Format(PyExc_ValueError, "%s: a row's slot or pod index is out of range", fn);
+        return NULL;
+    }
+    return row;
+}
+
+/* the endpoint at walk slot `slot`: its PodTiers with this factor and pod load. 0, or -1 with
+ * an exception (a tier name that cannot be compared) */
+static int
+plan_pod(const Plan *p, long slot, double factor, double pod_load, PodTiers *a)
+{
+    const Walk *w = &p->w;
+    a->ntier = 0;
+    a->matched = 0;
+    uint32_t ns = w->nseg[slot];
+    if (!ns) {
+        a->total = p->neg_lw * pod_load;
+        return 0;
+    }
+    int32_t end = w->endv[slot] >= 0 ? w->endv[slot] : (int32_t)w->n;
+    double weighted = 0.0;
+    for (uint32_t q = 0; q < ns; q++) {
+        SegEv ev = w->segs[slot * w->T + q];
+        int32_t last = q + 1 < ns ? w->segs[slot * w->T + q + 1].first : end;
+        if (last <= ev.first)
+            continue;
+        /* by_tier[name] += tokens, names kept in first-insertion order (a dict's) */
+        PyObject *name = PyTuple_GET_ITEM(p->names, ev.stage);
+        uint32_t t = 0;
+        while (t < a->ntier && PyUnicode_Compare(PyTuple_GET_ITEM(p->names, a->tier[t]), name) != 0)
+            t++;
+        if (PyErr_Occurred())
+            return -1;
+        if (t == a->ntier) {
+            a->tier[a->ntier++] = (uint32_t)ev.stage;
+            a->toks[t] = 0;
+        }
+        a->toks[t] += (long long)(last - ev.first) * p->C;
+        weighted += p->wt[ev.stage] * (double)(last - ev.first) * (double)p->C;
+    }
+    a->total = factor * weighted / p->n_tokens - p->lw * pod_load;
+    a->matched = (long long)end * p->C;
+    return 0;
+}
+
+/* a PodTiers' tokens by tier as a dict {name: tokens} (a new reference, or NULL) */
+static PyObject *
+plan_tiers_dict(const Plan *p, const PodTiers *a)
+{
+    PyObject *d = PyDict_New();
+    for (uint32_t t = 0; d != NULL && t < a->ntier; t++) {
+        PyObject *v = PyLong_FromLongLong(a->toks[t]);
+        if (v == NULL || PyDict_SetItem(d, PyTuple_GET_ITEM(p->names, a->tier[t]), v) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
+    return d;
+}
+
+/* ------------------------------------------------------------------ score_pods */
 
 static PyObject *
 py_score_pods(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -114,51 +265,20 @@ py_score_pods(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "score_pods(table, tokens, parent, block_size, plan, load)");
         return NULL;
     }
-    PyObject *plan = args[4], *load = args[5];
-    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != PLAN_LEN) {
-        PyErr_SetString(PyExc_TypeError, "score_pods: plan must be the Scorer's plan tuple");
-        return NULL;
-    }
+    PyObject *load = args[5];
     if (load != Py_None && !PyDict_Check(load)) {
         PyErr_SetString(PyExc_TypeError, "score_pods: load must be None or a dict");
         return NULL;
     }
-    PyObject *rows = PyTuple_GET_ITEM(plan, 2), *names = PyTuple_GET_ITEM(plan, 3);
-    PyObject *weights = PyTuple_GET_ITEM(plan, 4), *score_type = PyTuple_GET_ITEM(plan, 7);
-    /* -load_weight is negated where load_weight is (an int 0 negates to 0, a float 0.0 to -0.0) */
-    double lw = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 5)), neg_lw = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 6));
-    long C = PyLong_AsLong(PyTuple_GET_ITEM(plan, 8));
-    if (PyErr_Occurred())
+    Plan p;
+    if (plan_open(&p, args, "score_pods") < 0)
         return NULL;
-    if (!PyTuple_Check(rows) || !PyTuple_Check(names) || !PyTuple_Check(weights) ||
-        PyTuple_GET_SIZE(weights) != PyTuple_GET_SIZE(names)) {
-        PyErr_SetString(PyExc_TypeError, "score_pods: malformed plan");
-        return NULL;
-    }
-    PyObject *wargs[6] = {args[0], args[1], args[2], args[3], PyTuple_GET_ITEM(plan, 0), PyTuple_GET_ITEM(plan, 1)};
-    Walk w;
-    Py_ssize_t nrows = PyTuple_GET_SIZE(rows);
+    Py_ssize_t nrows = p.nrows;
     PyObject *out = NULL, *result = NULL, *top = NULL, *zero_f = NULL;
     PyObject **best = NULL;  /* per pod index: its Score in `out` (borrowed) */
     /* top: the pick so far (a reference of its own: `out` may replace it) */
     double *best_total = NULL;
     double top_total = 0, top_load = 0;
-    if (walk_all(&w, wargs) < 0)
-        goto fail;
-    if (w.T > (uint32_t)PyTuple_GET_SIZE(names)) {
-        PyErr_SetString(PyExc_ValueError, "score_pods: fewer tier names than lanes");
-        goto fail;
-    }
-    double wt[ST_MAX];
-    for (uint32_t s = 0; s < w.T; s++)
-        if ((wt[s] = PyFloat_AsDouble(PyTuple_GET_ITEM(weights, s))) == -1.0 && PyErr_Occurred())
-            goto fail;
-    Py_ssize_t n_tok = 0;
-    if (PyList_Check(args[1]) || PyTuple_Check(args[1]))
-        n_tok = PySequence_Fast_GET_SIZE(args[1]);
-    else if ((n_tok = PyObject_Length(args[1])) < 0)
-        goto fail;
-    double n_tokens = n_tok > 1 ? (double)n_tok : 1.0;
     out = PyDict_New();
     best = PyMem_Calloc(nrows ? nrows : 1, sizeof(PyObject *));
     best_total = PyMem_Calloc(nrows ? nrows : 1, sizeof(double));
@@ -169,21 +289,13 @@ py_score_pods(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto fail;
     }
     for (Py_ssize_t r = 0; r < nrows; r++) {
-        PyObject *row = PyTuple_GET_ITEM(rows, r);
-        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 6) {
-            PyErr_SetString(PyExc_TypeError, "score_pods: a row is (slot, pod, rank, state, factor, pod_index)");
+        long slot;
+        Py_ssize_t pi;
+        double factor;
+        PyObject *row = plan_row(&p, r, "score_pods", &slot, &pi, &factor);
+        if (row == NULL)
             goto fail;
-        }
-        long slot = PyLong_AsLong(PyTuple_GET_ITEM(row, 0));
-        Py_ssize_t pi = PyLong_AsSsize_t(PyTuple_GET_ITEM(row, 5));
         PyObject *pod = PyTuple_GET_ITEM(row, 1), *factor_o = PyTuple_GET_ITEM(row, 4);
-        double factor = PyFloat_AsDouble(factor_o);
-        if (PyErr_Occurred())
-            goto fail;
-        if (slot < 0 || (uint32_t)slot >= w.nslots || pi < 0 || pi >= nrows) {
-            PyErr_SetString(PyExc_ValueError, "score_pods: a row's slot or pod index is out of range");
-            goto fail;
-        }
         /* pod_load = float(load.get(pod, 0.0)) */
         PyObject *load_f;
         if (load == Py_None) {
@@ -197,56 +309,25 @@ py_score_pods(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 goto fail;
         }
         double pod_load = PyFloat_AS_DOUBLE(load_f);
-        PyObject *by_tier = PyDict_New();
-        if (by_tier == NULL) {
+        PodTiers a;
+        if (plan_pod(&p, slot, factor, pod_load, &a) < 0) {
             Py_DECREF(load_f);
             goto fail;
         }
-        double total;
-        long matched = 0;
-        uint32_t ns = w.nseg[slot];
-        if (!ns) {
-            total = neg_lw * pod_load;
-        } else {
-            int32_t end = w.endv[slot] >= 0 ? w.endv[slot] : (int32_t)w.n;
-            double weighted = 0.0;
-            for (uint32_t q = 0; q < ns; q++) {
-                SegEv ev = w.segs[slot * w.T + q];
-                int32_t last = q + 1 < ns ? w.segs[slot * w.T + q + 1].first : end;
-                if (last <= ev.first)
-                    continue;
-                long toks = (long)(last - ev.first) * C;
-                PyObject *name = PyTuple_GET_ITEM(names, ev.stage);
-                PyObject *had = PyDict_GetItemWithError(by_tier, name);
-                long sum = toks;
-                if (had != NULL)
-                    sum += PyLong_AsLong(had);
-                PyObject *sv = PyErr_Occurred() ? NULL : PyLong_FromLong(sum);
-                if (sv == NULL || PyDict_SetItem(by_tier, name, sv) < 0) {
-                    Py_XDECREF(sv);
-                    Py_DECREF(by_tier);
-                    Py_DECREF(load_f);
-                    goto fail;
-                }
-                Py_DECREF(sv);
-                weighted += wt[ev.stage] * (double)(last - ev.first) * (double)C;
-            }
-            total = factor * weighted / n_tokens - lw * pod_load;
-            matched = (long)end * C;
-        }
+        double total = a.total;
         /* keep the pod's best rank: out[pod] = Score(...) if prev is None or total > prev.total */
         if (best[pi] != NULL && !(total > best_total[pi])) {
-            Py_DECREF(by_tier);
             Py_DECREF(load_f);
             continue;
         }
-        PyObject *total_o = PyFloat_FromDouble(total), *matched_o = PyLong_FromLong(matched);
+        PyObject *by_tier = plan_tiers_dict(&p, &a);
+        PyObject *total_o = PyFloat_FromDouble(total), *matched_o = PyLong_FromLongLong(a.matched);
         PyObject *sargs[8] = {pod, total_o, by_tier, matched_o, PyTuple_GET_ITEM(row, 2), PyTuple_GET_ITEM(row, 3),
                               factor_o, load_f};
-        PyObject *sc = total_o && matched_o ? PyObject_Vectorcall(score_type, sargs, 8, NULL) : NULL;
+        PyObject *sc = by_tier && total_o && matched_o ? PyObject_Vectorcall(p.score_type, sargs, 8, NULL) : NULL;
         Py_XDECREF(total_o);
         Py_XDECREF(matched_o);
-        Py_DECREF(by_tier);
+        Py_XDECREF(by_tier);
         Py_DECREF(load_f);
         if (sc == NULL)
             goto fail;
@@ -284,7 +365,7 @@ fail:
     Py_XDECREF(zero_f);
     PyMem_Free(best);
     PyMem_Free(best_total);
-    walk_free(&w);
+    plan_close(&p);
     return result;
 }
 
