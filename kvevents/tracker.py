@@ -46,7 +46,7 @@ BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
 class SeqTracker:
     __slots__ = ("publisher", "topic", "can_replay", "health", "heard", "expected", "live_high", "recovering", "late",
                  "pending", "attempts", "request", "deadline", "replay_timeout", "max_pending",
-                 "max_attempts", "probing")
+                 "max_attempts", "probing", "unseen")
 
     def __init__(self, publisher: str, topic: str = "", *, can_replay: bool = False, late_join: bool = False,
                  replay_timeout: float = 2.0, max_pending: int = 10_000, max_attempts: int = 2,
@@ -69,6 +69,9 @@ class SeqTracker:
         self.max_pending = max_pending
         self.max_attempts = max_attempts
         self.probing = False  # recovering for a check(): no gap known (health stays SYNCED)
+        #: after an unverified restart: the new run's seqs below this were read and dropped (they could
+        #: not be told from the old run's); a replay from 0 that is never answered reports them as a GAP
+        self.unseen = 0
         if late_join and can_replay:
             self.late = True
             self._recover(0, now)
@@ -145,6 +148,7 @@ class SeqTracker:
             self.recovering = False
             self.late = False
             self.probing = False
+            self.unseen = 0  # the publisher answered: what its ring held is what there is
             self._drain(out, now, may_retry=True)
         return out
 
@@ -192,10 +196,13 @@ class SeqTracker:
             self._abandon(out, now)
         return out
 
-    def restarted(self, now: float, *, verified: bool = True) -> list[Delivery]:
+    def restarted(self, now: float, *, verified: bool = True, unseen: int = 0) -> list[Delivery]:
         """The publisher restarted without its seq going backwards: RESET, then its new run from 0
         (by replay; without a replay endpoint the next live batch's seqs before it are a GAP).
         ``verified=False``: a reconnect that could not be checked is taken for a restart (counted).
+        ``unseen``: the new run's seqs below it may have been read and dropped by the socket layer
+        (not told from the old run's): if the replay from 0 is given up, they are a GAP, and a
+        live seq below it is another restart.
 
         Live batches held for a replay belong to the new run: they stay held.
         """
@@ -205,12 +212,23 @@ class SeqTracker:
             self.health.unverified_resets += 1
         out.append(Delivery(RESET, self.publisher, self.topic, 0, None, now))
         self.expected = 0
-        self.live_high = max(self.pending, default=-1)
+        self.live_high = max(max(self.pending, default=-1), unseen - 1)
+        self.unseen = unseen
         self.attempts = 0
         self.probing = False
         self.late = False
         if self.can_replay:
             self._recover(0, now)
+        return out
+
+    def unplaced(self, upto: int, now: float) -> list[Delivery]:
+        """The socket layer dropped live seqs below ``upto`` after a RESET it could not verify (they
+        could not be told from the old run's) and no later batch placed the new run: what is not
+        delivered below ``upto`` is a GAP, and a live seq below it later is another restart."""
+        out: list[Delivery] = []
+        if self.expected is not None and self.expected < upto and not self.recovering:
+            self._gap(out, self.expected, upto - self.expected, now, "lost")
+            self.live_high = max(self.live_high, upto - 1)
         return out
 
     def check(self, now: float, *, probe: bool = False) -> bool:
@@ -275,6 +293,7 @@ class SeqTracker:
 
     def _reset(self, out: list[Delivery], seq: int, now: float) -> None:
         self.health.resets += 1
+        self.unseen = 0
         self.pending.clear()
         self.attempts = 0
         out.append(Delivery(RESET, self.publisher, self.topic, seq, None, now))
@@ -296,6 +315,10 @@ class SeqTracker:
         self.probing = False
         self.request = None
         self._drain(out, now, may_retry=False)
+        if self.unseen:  # after an unverified restart: seqs read and dropped, never replayed
+            if self.expected is not None and self.expected < self.unseen:
+                self._gap(out, self.expected, self.unseen - self.expected, now, "lost")
+            self.unseen = 0
 
     def _drain(self, out: list[Delivery], now: float, *, may_retry: bool) -> None:
         for seq in sorted(self.pending):

@@ -58,7 +58,8 @@ class Peer:
 
     __slots__ = ("name", "replay_endpoint", "sub", "dealer", "monitor", "tracker", "anchor_seq", "anchor",
                  "anchor_run", "checking", "check_kind", "check_run", "connects", "probe_ivl", "probed_at", "gone", "bind",
-                 "suspect", "conn", "old", "settled", "old_held", "old_next", "epoch", "window", "window_left")
+                 "suspect", "conn", "old", "settled", "old_held", "old_next", "epoch", "window", "window_left",
+                 "window_top", "unplaced_due", "unplaced_recv")
 
     def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker, bind: bool = False) -> None:
         self.name = name
@@ -90,6 +91,11 @@ class Peer:
         self.epoch = 0
         self.window = -1
         self.window_left = -1  #: frames still to drop in that window before it closes by count (-1: no bound)
+        self.window_top = -1  #: no replay endpoint: the highest seq read before or inside that window
+        #: no replay endpoint: when the window's dropped frames, never placed by a live frame after
+        #: them, become a GAP (0: none), and the tracker's ``received`` when they were dropped
+        self.unplaced_due = 0.0
+        self.unplaced_recv = 0
         self.probe_ivl = 0.0
         self.probed_at = 0.0
         self.gone = False  #: expired from the table (its heap entry is skipped)
@@ -108,24 +114,50 @@ class Peer:
         self.check_kind = 0
         return start
 
-    def drop_old_held(self) -> None:
+    def drop_old_held(self) -> tuple[int, int]:
         """A restart was found: the live batches held before the reconnect were the old run's, and
         so are those read after it that continue the old run's seqs one by one: one connection's
         frames come in order, and the old connection's unread ones before the new one's (a new run
-        continuing exactly is dropped here too, and comes back in its replay from 0)."""
+        continuing exactly is dropped here too, and comes back in its replay from 0; if that replay
+        is never answered, the tracker reports those seqs as a GAP). Returns how many were dropped
+        and the highest seq among those read after the reconnect (-1: none)."""
         self.suspect = False
         self.checking = -1
         pending = self.tracker.pending
         held = set(self.old_held)
         nxt = self.tracker.expected if self.tracker.expected is not None else -1
+        n, top = 0, -1
         for seq in list(pending):  # in the order they arrived
             if seq in held or seq == nxt:
                 del pending[seq]
+                n += 1
+                if seq not in held:
+                    top = seq
                 nxt = seq + 1
             else:
                 break
         self.old_next = nxt
         self.old_held = ()
+        return n, top
+
+    def explained(self) -> int:
+        """A live seq went backwards while a reconnect was being checked: that frame starts a new
+        run (one run's seqs only go up), so the reconnect is explained and its check moot (the
+        tracker RESETs by itself). What was held before the reconnect is the old run's and stays
+        held (delivered before the RESET, gaps named); what was read after it and before this frame
+        came between the two runs (connect mode: the old connection's tail, or a run that died in
+        between; bind mode: a connection since left): it cannot be placed in the new run, and
+        after the RESET it is no part of the publisher's state: dropped. Returns how many."""
+        self.suspect = False
+        self.checking = -1
+        self.check_kind = 0
+        pending = self.tracker.pending
+        held = set(self.old_held)
+        drop = [seq for seq in pending if seq not in held]
+        for seq in drop:
+            del pending[seq]
+        self.old_held = ()
+        return len(drop)
 
     def old_leftover(self, seq: int) -> bool:
         """After a restart was found: is the live frame ``seq`` one of the old run's, still unread

@@ -99,8 +99,8 @@ class RestartDetection:
                 if not peer.window_left:
                     peer.window = -1  # exhausted by count: the socket never ran dry
             if not peer.replay_endpoint:
-                stale = n
-                peer.tracker.health.old_conn_dropped += n
+                stale = self._window_drops(peer, msgs, n, now)
+                peer.tracker.health.old_conn_dropped += stale
         elif peer.old_next >= 0:
             peer.old_next = -1  # the old connection's tail is gone: no frame read now is the old run's
         for frames in msgs:
@@ -110,6 +110,48 @@ class RestartDetection:
                 stale -= 1
                 continue
             self._on_live(peer, frames, now, out)
+
+    def _window_drops(self, peer: Peer, msgs: list, n: int, now: float) -> int:
+        """No replay endpoint: how many of the first ``n`` frames read inside the reconnect's
+        window are dropped. One run's seqs only go up, and the old connection's unread frames come
+        before the new one's: a frame whose seq is not above every seq read before it is the new
+        run's first; it closes the window, and it and what follows are delivered (after the RESET).
+        Dropped frames with no such frame after them may have been the new run's: unless a live
+        frame places the new run within ``replay_timeout`` (the old connection's tail, then the
+        new run's first frame, the common case), their seqs are reported as a GAP (``_unplaced``)."""
+        top = peer.window_top
+        for i in range(n):
+            frames = msgs[i]
+            if len(frames) == 3 and len(frames[1]) == 8:
+                seq = int.from_bytes(frames[1], "big")
+                if seq <= top:
+                    peer.window = -1
+                    peer.window_top = -1
+                    peer.unplaced_due = 0.0
+                    return i
+                top = seq
+        peer.window_top = top
+        if n and top >= 0:
+            peer.unplaced_due = now + self.replay_timeout
+            peer.unplaced_recv = peer.tracker.health.received
+            self._table.active.add(peer)
+        return n
+
+    @staticmethod
+    def _unplaced(peer: Peer, now: float, out: list[Delivery]) -> bool:
+        """A reconnect window's dropped frames (no replay endpoint) still unplaced: True while it
+        waits. A live frame used since places the new run itself (the tracker names any gap
+        before it); none by the deadline (the publisher died with them): the seqs up to the
+        highest dropped one are a GAP, and a later live seq at or below it another restart."""
+        tracker = peer.tracker
+        if tracker.health.received != peer.unplaced_recv:
+            peer.unplaced_due = 0.0
+            return False
+        if now < peer.unplaced_due:
+            return True
+        peer.unplaced_due = 0.0
+        out.extend(tracker.unplaced(peer.window_top + 1, now))
+        return False
 
     def _connect_reconnected(self, peer: Peer, now: float, out: list[Delivery]) -> None:
         """Connect mode: ``peer``'s SUB socket connected again. With a replay endpoint, the check;
@@ -124,6 +166,8 @@ class RestartDetection:
         # frames read until the socket runs dry after this may be the old connection's tail: with a
         # replay endpoint they are held for the check (and after a restart, those continuing the
         # old run's seqs go with it); without one, dropped
+        # the highest seq read so far (a window still open: its frames' too): the new run's first is not above it
+        peer.window_top = max(tracker.live_high, peer.window_top if peer.epoch <= peer.window else -1)
         peer.window = peer.epoch
         peer.window_left = tail_bound(self._rcvhwm)
         if not peer.sub.getsockopt(EVENTS) & POLLIN:
@@ -164,11 +208,14 @@ class RestartDetection:
 
     def _restart(self, peer: Peer, now: float, out: list[Delivery], verified: bool = True) -> None:
         """The anchor's payload changed under its seq (or could not be checked): RESET, then the new run from 0."""
-        peer.drop_old_held()  # the old run's, held for a replay it never finished
+        dropped, top = peer.drop_old_held()  # the old run's, held for a replay it never finished
+        peer.tracker.health.old_conn_dropped += dropped
         if peer.bind or peer.epoch > peer.window:
             # the old connection's tail cannot come any more (bind mode: its frames are told by
             # connection, .conns): a live frame continuing the old run's seqs is the new run's
             peer.old_next = -1
-        out.extend(peer.tracker.restarted(now, verified=verified))
+        # unverified: frames read after the reconnect that continued the old run's seqs may have
+        # been the new run's; if its replay never answers either, those seqs are a GAP (tracker)
+        out.extend(peer.tracker.restarted(now, verified=verified, unseen=0 if verified else top + 1))
         peer.anchor, peer.anchor_seq = None, -1
         self._send_request(peer)

@@ -274,7 +274,7 @@ class Subscriber(RestartDetection, EventSource):
                         tracker.health.join_retries += 1
             if tracker.request is not None:
                 self._send_request(peer)
-            elif not tracker.recovering:
+            elif not tracker.recovering and not (peer.unplaced_due and self._unplaced(peer, now, out)):
                 table.active.discard(peer)
                 self._drop_dealer(peer)
         if self.hooks is not None and out:
@@ -313,7 +313,12 @@ class Subscriber(RestartDetection, EventSource):
             peer.tracker.health.old_conn_dropped += 1
             return  # the old run's, unread when its RESET came: it went with the old run
         if peer.suspect:  # a reconnect not verified yet: hold, check again; never spill unverified
-            if not peer.tracker.recovering:
+            if int.from_bytes(seq_b, "big") <= peer.tracker.live_high:
+                # the seq went backwards: this frame starts a new run, which the tracker RESETs to;
+                # the check is moot (a dead publisher's replay socket would never answer it)
+                peer.tracker.health.old_conn_dropped += peer.explained()
+                self._drop_dealer(peer)
+            elif not peer.tracker.recovering:
                 self._check_reconnect(peer, now)
             elif len(peer.tracker.pending) >= self.max_pending:
                 self._restart(peer, now, out, verified=False)
