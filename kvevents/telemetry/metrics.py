@@ -104,6 +104,12 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("kvevents.subscriber.publishers.expired", COUNTER, "{publisher}",
        "Bind mode: publishers silent past stale_after forgotten to make room for a new topic.",
        (), "subscriber", "stats()['publishers_expired']"),
+    _m("kvevents.subscriber.connections.open", UPDOWN, "{connection}",
+       "Bind mode: connections open on the bound socket (at most max_connections).",
+       (), "subscriber", "stats()['connections_open']"),
+    _m("kvevents.subscriber.connections.evicted", COUNTER, "{connection}",
+       "Bind mode: connections closed at max_connections (the longest-open one carrying no publisher, else the newcomer).",
+       (), "subscriber", "stats()['connections_evicted']"),
     _m("kvevents.subscriber.lag", HISTOGRAM, "s",
        "Receive time minus the batch's ts, of the delivered batches with seq % N == 0 (N = lag_sample_every, "
        "default 32; replayed included).",

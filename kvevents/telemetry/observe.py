@@ -57,6 +57,8 @@ _SUB_COUNTERS = {
 _SUB_TOTALS = {  # subscriber-wide (stats()), not per publisher
     "kvevents.subscriber.publishers.refused": "publishers_refused",
     "kvevents.subscriber.publishers.expired": "publishers_expired",
+    "kvevents.subscriber.connections.open": "connections_open",
+    "kvevents.subscriber.connections.evicted": "connections_evicted",
 }
 _STATES = tuple(s.value for s in HealthState)
 _MALFORMED = ("frames", "seq", "payload", "replay")  # the subscriber's kinds: reported from 0

@@ -85,10 +85,15 @@ class BindConnections:
     """The bound SUB socket's connections, and the attribution of publishers' frames to them."""
 
     __slots__ = ("monitor", "by_fd", "fresh", "epoch", "read_epoch", "post_new", "olds", "unbound", "closes",
-                 "tail_bound")
+                 "tail_bound", "opened", "max_open", "local", "evicted")
 
-    def __init__(self, sock: zmq.Socket, tail_bound: int = -1) -> None:
+    def __init__(self, sock: zmq.Socket, tail_bound: int = -1, max_open: int = -1) -> None:
         self.monitor = sock.get_monitor_socket(_EVENTS)  # before bind(): every accept is seen
+        #: open connections, in accept order, at most ``max_open`` (-1: no bound; see :meth:`_bound`)
+        self.opened: dict[int, Conn] = {}
+        self.max_open = max_open
+        self.local: tuple[int, object] | None = None  #: the bound address (:func:`local_address`), set after bind()
+        self.evicted = 0  #: connections closed by this side at ``max_open``
         #: frames that may be a closed connection's before it counts as exhausted even if the
         #: socket never runs dry (a subscriber that never catches up); -1: none (no receive HWM)
         self.tail_bound = tail_bound
@@ -116,6 +121,8 @@ class BindConnections:
             fd = int(msg["value"])
             if msg["event"] == zmq.EVENT_ACCEPTED:
                 accepted.append(self.accepted(fd))
+                if len(self.opened) > self.max_open >= 0:
+                    self._bound(accepted[-1])
             elif msg["event"] == zmq.EVENT_DISCONNECTED:
                 self.closed(fd)
 
@@ -124,14 +131,28 @@ class BindConnections:
         if old is not None:
             self.closed(fd)  # (its close not seen: it is over all the same)
             old.prev = None  # one connection back is all a frame can come from
-        conn = self.by_fd[fd] = self.fresh[fd] = Conn(fd, old)
+        conn = self.by_fd[fd] = self.fresh[fd] = self.opened[fd] = Conn(fd, old)
         return conn
+
+    def _bound(self, newest: Conn) -> None:
+        """More open connections than ``max_open``: close one. The longest-open connection that
+        carries no publisher (one that never named a publisher — a junk or hostile peer, or a
+        silent one — or one its publisher has left: a half-open connection whose host died
+        without a close), else the newcomer itself. Closed by shutting down its socket (checked
+        to be a connection of the bound address first); libzmq then reports its close."""
+        victim = next((c for c in self.opened.values() if not c.peers and c is not newest), newest)
+        if _shutdown(victim.fd, self.local):
+            self.evicted += 1
+            self.closed(victim.fd)  # its frames still unread are a closed connection's tail
+        else:  # not ours any more (its close not yet read): no longer counted as open
+            self.opened.pop(victim.fd, None)
 
     def closed(self, fd: int) -> None:
         conn = self.by_fd.get(fd)
         if conn is None or not conn.open:
             return
         conn.open = False
+        self.opened.pop(fd, None)
         conn.closed_at = self.epoch
         conn.tail_left = self.tail_bound
         self.closes += 1
@@ -233,3 +254,41 @@ class BindConnections:
     def unnamed(self, fd: int) -> None:
         """A frame over ``fd`` named no publisher (malformed, refused): it is no longer fresh."""
         self.fresh.pop(fd, None)
+
+
+def local_address(endpoint: str) -> tuple[int, object] | None:
+    """The bound socket's own address as an accepted connection's ``getsockname()`` gives it:
+    ``(AF_INET/AF_INET6, port)`` or ``(AF_UNIX, path)``; None for other transports."""
+    import socket
+
+    if endpoint.startswith("ipc://"):
+        return socket.AF_UNIX, endpoint[6:]
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[6:].rpartition(":")
+        return (socket.AF_INET6 if host.startswith("[") else socket.AF_INET), int(port)
+    return None
+
+
+def _shutdown(fd: int, local: tuple[int, object] | None) -> bool:
+    """Shut down the accepted connection behind descriptor ``fd`` (libzmq's; it sees the end of
+    the stream and closes it) if ``fd`` is still a connection of the bound address ``local``."""
+    import os
+    import socket
+
+    if local is None:
+        return False
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        family, want = local
+        name = s.getsockname()
+        if s.family != family or (name[1] if family != socket.AF_UNIX else name) != want:
+            return False
+        s.shutdown(socket.SHUT_RDWR)
+        return True
+    except (OSError, IndexError, TypeError):
+        return False
+    finally:
+        s.close()  # the duplicate only

@@ -31,7 +31,7 @@ from ...delivery import Delivery, PublisherHealth
 from ...errors import DecodeError, EndpointError
 from ...source import EventSource
 from ...tracker import SeqTracker
-from .conns import DROP, NEW, BindConnections
+from .conns import DROP, NEW, BindConnections, local_address
 from .endpoints import probe_replay_endpoint, validate_endpoint
 from .frames import is_end_marker, is_replay_answer, replay_request
 from .peers import Peer, PeerTable, reconnected
@@ -69,6 +69,8 @@ class Subscriber(RestartDetection, EventSource):
         raw: bool = False,
         max_publishers: int = 1024,
         tail_probe_after: float | None = 1.0,
+        max_connections: int = 1024,
+        heartbeat: float | None = 5.0,
     ) -> None:
         self.topic = topic
         #: deliver payloads undecoded (``Delivery.payload``, ``batch`` None): for a consumer that
@@ -83,8 +85,11 @@ class Subscriber(RestartDetection, EventSource):
         self._ctx = context or zmq.Context.instance()
         self._poller = zmq.Poller()
         self._by_sock: dict[zmq.Socket, tuple[str, Peer | None]] = {}
-        if not isinstance(max_publishers, int) or max_publishers <= 0:
-            raise EndpointError(f"max_publishers must be a positive int, got {max_publishers!r}")
+        for what, v in (("max_publishers", max_publishers), ("max_connections", max_connections)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise EndpointError(f"{what} must be a positive int, got {v!r}")
+        if heartbeat is not None and not (isinstance(heartbeat, (int, float)) and 0.001 <= heartbeat <= 3600):
+            raise EndpointError(f"heartbeat must be None or seconds in [0.001, 3600], got {heartbeat!r}")
         #: publishers, bounded (bind mode learns them from topics: ``max_publishers``); idle
         #: ones get a replay probe after ``tail_probe_after`` seconds (None: never), see .peers
         self._table = PeerTable(max_publishers, stale_after, tail_probe_after)
@@ -113,9 +118,14 @@ class Subscriber(RestartDetection, EventSource):
             if bind is not None:
                 validate_endpoint(bind, what="bind endpoint")
                 sock = self._new_sub()
-                self._conns = BindConnections(sock, tail_bound(rcvhwm, 2))  # its monitor first: polled before the socket
+                if heartbeat is not None:  # a peer that stops answering (its host died, no FIN) is closed
+                    sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat * 1000))
+                    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat * 1000))
+                # its monitor first: polled before the socket; at most max_connections open (.conns)
+                self._conns = BindConnections(sock, tail_bound(rcvhwm, 2), max_connections)
                 self._register(self._conns.monitor, "bindmon", None)
                 sock.bind(bind)
+                self._conns.local = local_address(sock.getsockopt_string(zmq.LAST_ENDPOINT))
                 self._bind_sub = sock
                 self._register(sock, "bind", None)
         except zmq.ZMQError as exc:
@@ -436,8 +446,13 @@ class Subscriber(RestartDetection, EventSource):
         return out
 
     def stats(self) -> dict[str, int]:
-        """Counters summed over publishers (malformed by kind as ``malformed_<kind>``)."""
-        return self._table.totals(self._malformed)
+        """Counters summed over publishers (malformed by kind as ``malformed_<kind>``); bind mode's
+        open connections and those closed at ``max_connections`` (0 in connect mode)."""
+        out = self._table.totals(self._malformed)
+        conns = self._conns
+        out["connections_open"] = len(conns.opened) if conns is not None else 0
+        out["connections_evicted"] = conns.evicted if conns is not None else 0
+        return out
 
     def probe_replay(self, timeout: float = 1.0) -> dict[str, bool]:
         """Ask each replay endpoint for an empty replay; True where the end marker came back in time
