@@ -245,7 +245,8 @@ class Replica:
 
     def status(self) -> dict:
         return {"name": self.name, "ready": self.ready, "ready_after_s": self.ready_after, "covered": self.covered,
-                "position": self.source.acked, "source": self.source.stats(), "replica": dict(self.counters),
+                "position": self.source.acked, "source": self.source.stats(),
+                "replica": {**self.counters, "reads_replaced": self.store.reads_replaced},
                 "failures": self.failures[-5:], "entries": self.router.entries(), "digest": state_digest(self.router),
                 "pods": sorted(self.router.pods())}
 
