@@ -138,3 +138,27 @@ def test_a_snapshot_carries_the_pod_positions_it_covers(nats_server) -> None:
     (data, pods), (old, none) = asyncio.run(go())
     assert data == b"snap" and pods == {"A": (0, 9, "kv@A@m"), "B": (2, 4, "kv@B@m")}
     assert old == b"old" and none == {}
+
+
+def test_a_pod_silent_across_two_holes_gets_one_tail_gap() -> None:
+    """The stream may be trimmed while a slow reader reads, so it meets two holes in a row (the
+    first settles at the stream end it last knew). A pod that showed nothing across both has one
+    possible tail loss to report, not two; a pod that showed something in between gets its own."""
+    import time as _time
+
+    src = JetStreamSource.__new__(JetStreamSource)  # the per-pod bookkeeping alone, no connection
+    src._pods, src._doubt, src.stream_last = {}, None, 20
+    src._stats = {"stream_holes": 0, "stream_lost": 0, "hole_gaps": 0}
+    now = _time.time()
+    for pod, q in (("B", 20), ("A", 19)):
+        st = src._pod(pod, now)
+        st.run, st.last_seq, st.stream_seq = 0, 9, q
+    out: list = []
+    src._hole(21, 40)
+    src._settle_doubt(now, out)
+    src._pods["A"].last_seq, src._pods["A"].stream_seq = 12, 41  # A shows up between the holes
+    src._hole(42, 56)
+    src._settle_doubt(now, out)
+    got = [(d.publisher, d.seq, d.reason) for d in out]
+    assert got == [("B", 10, "stream-hole"), ("A", 10, "stream-hole"), ("A", 13, "stream-hole")]
+    assert src._stats["hole_gaps"] == 3 and src._stats["stream_holes"] == 2

@@ -61,7 +61,7 @@ __all__ = ["JetStreamSource"]
 
 
 class _PodState:
-    __slots__ = ("health", "run", "last_seq", "stream_seq", "topic")
+    __slots__ = ("health", "run", "last_seq", "stream_seq", "topic", "hole_at")
 
     def __init__(self, pod: str, now: float) -> None:
         self.health = PublisherHealth(pod, last_recv_ts=now)
@@ -69,6 +69,7 @@ class _PodState:
         self.last_seq = -1
         self.stream_seq = 0  #: stream seq of the last message read for this pod (0: none, or seeded)
         self.topic = pod  #: the router topic of its last message
+        self.hole_at: tuple[int, int] | None = None  #: (run, last seq) its last tail stream-hole GAP was for
 
 
 class JetStreamSource(EventSource):
@@ -318,7 +319,10 @@ class JetStreamSource(EventSource):
         start = self._doubt[0]
         self._doubt = None
         for st in self._pods.values():
-            if st.stream_seq < start:
+            # a pod whose possible tail loss was reported at this very position, and that has shown
+            # nothing since, gets no second GAP for a second hole: it would say the same thing
+            if st.stream_seq < start and st.hole_at != (st.run, st.last_seq):
+                st.hole_at = (st.run, st.last_seq)
                 self._hole_gap(st, st.health.publisher, st.last_seq + 1, st.topic, now, out)
 
     def _hole_gap(self, st: _PodState, pod: str, seq: int, topic: str, now: float, out: list) -> None:
