@@ -173,3 +173,33 @@ def test_the_new_runs_frames_in_the_same_drain_as_the_old_tail_are_delivered_no_
     assert [(d.kind, d.seq) for d in after] == [(BATCH, s) for s in range(5)]
     assert all(run_of(d) == 2 for d in after)
     assert sub.health()["p"].old_conn_dropped == 2
+
+
+def test_bind_mode_a_dead_new_connection_continuing_the_old_seq_exactly_is_delivered_after_the_reset() -> None:
+    """Bind mode, the replay socket dead: run 2 connects and its frames continue run 1's seqs one by
+    one. The connection tells them apart (run 1's connection closed, read to its end): they are run
+    2's, delivered after the RESET and a GAP for the seqs before them. Before: dropped as if they
+    could be run 1's tail, and the whole range reported lost."""
+    from ..pubsub_helpers import free_tcp_port
+    from .bindsim import BindSim
+
+    t = "kv@pod@m"
+    sub = Subscriber(bind=f"tcp://127.0.0.1:{free_tcp_port()}", replay_endpoints={t: ipc_pair()[1]},
+                     tail_probe_after=None, replay_timeout=0.05, heartbeat=None)
+    sim = BindSim(sub)
+    try:
+        a = sim.accept(5).send(t, 1, *range(30))
+        got = sim.poll_all()
+        assert [d.seq for d in got] == list(range(30))
+        a.close()
+        got += sim.poll_all()
+        sim.accept(5).send(t, 2, *range(30, 40))
+        got += collect(sub, lambda g: 39 in [d.seq for d in got + g if d.kind is BATCH and run_of(d) == 2])
+    finally:
+        sim.close()
+    assert judge(got)["splices"] == 0
+    after = _after_reset(got)
+    assert [(d.kind, d.seq, d.missed) for d in after[:2]] == [(GAP, 0, 30), (BATCH, 30, 0)]
+    assert [d.seq for d in after[1:]] == list(range(30, 40)) and all(run_of(d) == 2 for d in after[1:])
+    h = sub.health()[t]
+    assert (h.resets, h.unverified_resets, h.old_conn_dropped) == (1, 1, 0), h

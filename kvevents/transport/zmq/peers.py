@@ -119,16 +119,18 @@ class Peer:
         so are those read after it that continue the old run's seqs one by one: one connection's
         frames come in order, and the old connection's unread ones before the new one's (a new run
         continuing exactly is dropped here too, and comes back in its replay from 0; if that replay
-        is never answered, the tracker reports those seqs as a GAP). Returns how many were dropped
-        and the highest seq among those read after the reconnect (-1: none)."""
+        is never answered, the tracker reports those seqs as a GAP). Not in bind mode, where each
+        frame's connection is known: what was read after the reconnect is the new run's. Returns
+        how many were dropped and the highest seq among those read after the reconnect (-1: none)."""
         self.suspect = False
         self.checking = -1
         pending = self.tracker.pending
         held = set(self.old_held)
         nxt = self.tracker.expected if self.tracker.expected is not None else -1
         n, top = 0, -1
+        cont = not self.bind  # (bind mode: frames read after the reconnect came over the new connection, .conns)
         for seq in list(pending):  # in the order they arrived
-            if seq in held or seq == nxt:
+            if seq in held or (cont and seq == nxt):
                 del pending[seq]
                 n += 1
                 if seq not in held:
