@@ -47,6 +47,11 @@ publisher that left a connection may still get frames from it, and while a publi
 connection is not known (its reconnect came over an unnamed one). One publisher per connection
 is assumed for a frame read without its descriptor (vLLM's case): another topic on an open
 connection is taken as that connection's.
+
+Connections are bounded: at most ``max_open`` are open; past it the longest-open one that carries
+no publisher (a peer that never named one, or one its publisher left: a half-open connection whose
+host died without a close) is shut down, else the newcomer (``evicted``). The subscriber's
+heartbeat closes a peer that stops answering.
 """
 
 from __future__ import annotations

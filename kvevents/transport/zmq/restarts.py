@@ -10,7 +10,8 @@
   bound socket / of a connect-mode SUB socket, which reads what the monitor queued meanwhile
   before it uses a frame (a reconnect reported late still comes before the new run's frames);
 * :meth:`RestartDetection._connect_reconnected`: connect mode's reconnect: the check, or without
-  a replay endpoint a RESET and the frames read until the socket runs dry dropped.
+  a replay endpoint a RESET and the frames read until the socket runs dry (or a seq goes back:
+  the new run's first frame) dropped.
 """
 
 from __future__ import annotations
@@ -157,10 +158,11 @@ class RestartDetection:
         """Connect mode: ``peer``'s SUB socket connected again. With a replay endpoint, the check;
         without one nothing can verify the run: a RESET (counted as unverified). ZeroMQ keeps
         the socket's queue across the reconnect, so the old connection's unread frames come
-        first, then the new one's; they are told apart only once the socket has run dry after
-        this (``peer.window``): what is read before that is dropped (``old_conn_dropped``) — the
-        old run's are superseded by the RESET, the new run's lie inside the GAP before its
-        first delivered batch."""
+        first, then the new one's; they are told apart once the socket has run dry after this
+        (``peer.window``), or at the first frame whose seq goes back (``_window_drops``): what is
+        read before that is dropped (``old_conn_dropped``) — the old run's are superseded by the
+        RESET, the new run's lie inside the GAP before its first delivered batch (or, nothing
+        placing the new run after them, inside the GAP ``_unplaced`` reports)."""
         tracker = peer.tracker
         tracker.health.reconnects += 1
         # frames read until the socket runs dry after this may be the old connection's tail: with a

@@ -9,6 +9,8 @@ Two ways to meet publishers:
   the subscriber binds and publishers connect (vLLM publishers whose endpoint names a
   concrete host connect); publishers are told apart by topic, so give each its own. Restarts
   are found from the connections (:mod:`.conns`), as connect mode finds them from its own socket.
+  At most ``max_connections`` are open; a ZMTP heartbeat every ``heartbeat`` s closes a peer that
+  stops answering (a half-open connection).
 
 ``poll(timeout_ms)`` does the socket work in the calling thread; ``for d in sub`` polls until
 ``close()``; ``deliveries(duration=...)`` stops by itself; ``async for`` polls on a thread.
