@@ -2,10 +2,11 @@
 
 Layout and file format: :mod:`manager.tiering.fs_io` (a one-page header with length, key and
 CRC32C, then the payload) and :mod:`manager.tiering.fs_scan` (fan-out directories, owner
-locks, the start-up scan). Each of the 256 fan-out directories is created once per tier
-lifetime, on first use; ``spread_dirs`` (default on) marks the root ``chattr +T`` first, so
-that ext4 spreads them, and their files' inodes, over its block groups (a file create then
-does not walk past a group full of recently deleted inodes; see ``fs_io.spread_directories``).
+locks, the start-up scan, the previous layout's files moved over). The 16 fan-out
+directories (the key's first hex digit) are created when the tier starts; ``spread_dirs``
+(default on) marks the root ``chattr +T`` first, so that ext4 spreads them, and their files'
+inodes, over its block groups (a file create then does not walk past a group full of
+recently deleted inodes; see ``fs_io.spread_directories``).
 
 * Loads read header + payload with one ``preadv`` straight into the primary's slot, with
   ``O_DIRECT`` where the filesystem takes it (probed once; ``o_direct`` forces it on or off),
@@ -51,7 +52,7 @@ from ..base import LookupResult, OffloadKey, OffloadPolicy, ReqContext, RequestO
 from . import fs_io
 from .base import JobMetadata, JobResult, SecondaryTierManager
 from .fs_rw import OS_ERROR, BlockFilesIO, NativeFilesIO, PythonFilesIO
-from .fs_scan import SUFFIX, OwnerLock, probe_block_file, scan_root
+from .fs_scan import FANOUT_DIRS, OwnerLock, block_path, probe_block, scan_root
 
 __all__ = ["FileSystemSecondaryTierManager"]
 
@@ -145,20 +146,29 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self.evictions = 0
         self.capacity_overflows = 0  # stores committed while nothing was evictable
         self.foreign_files = 0  # entries under root the start-up scan left alone (not ours)
-        self.scan_errors = 0  # entries the start-up scan could not read or delete
+        self.scan_errors = 0  # entries the start-up scan could not read, move or delete
+        self.migrated_files = 0  # block files of the previous layout moved to their new place
         self.payload_mismatches = 0  # files whose payload is not one block of block_io
         self.lookups_pending = 0  # lookups answered RETRY while a disk probe ran
         self.lookups_found_on_disk = 0  # probes that found a block written by another tier
         self._owner = OwnerLock(self._root)
         self._token = self._owner.token
         self._dirs: set[str] = set()  # fan-out directories known to exist
+        for sub in FANOUT_DIRS:  # (best effort: a read-only root still loads)
+            try:
+                os.mkdir(os.path.join(self._root, sub))
+                self._dirs.add(sub)
+            except FileExistsError:
+                self._dirs.add(sub)
+            except OSError:
+                pass
         self._recover()
 
     # -- files -------------------------------------------------------------------
 
     def _fanout_dir(self, key: OffloadKey) -> None:
         """Create the key's fan-out directory once per tier lifetime (not per block)."""
-        sub = key[:1].hex()
+        sub = key[:1].hex()[:1]
         if sub not in self._dirs:
             os.makedirs(os.path.join(self._root, sub), exist_ok=True)
             self._dirs.add(sub)
@@ -167,8 +177,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         return Path(self._file(key))
 
     def _file(self, key: OffloadKey) -> str:
-        h = key.hex()
-        return f"{self._root}/{h[:2]}/{h}{SUFFIX}"
+        return block_path(self._root, key)
 
     def _delete_file(self, key: OffloadKey) -> None:
         """(Lock held.) Queue the file's deletion: the unlink runs after the lock is released
@@ -197,6 +206,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self.corrupt_files += res.torn
         self.foreign_files += res.foreign
         self.scan_errors += res.errors
+        self.migrated_files += res.migrated
         self._dirs.update(res.dirs)
         for _, key in res.found:
             self._index[key] = None
@@ -231,7 +241,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
 
     def _probe(self, key: OffloadKey) -> None:
         io = self.block_io
-        found = probe_block_file(self._file(key), key, io.block_nbytes if io is not None else None)
+        found = probe_block(self._root, key, io.block_nbytes if io is not None else None)
         with self._lock:
             self._probing.discard(key)
             if found and key not in self._index and key not in self._writing and key not in self._deleting:
@@ -465,7 +475,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                 "stores_skipped": self.stores_skipped, "blocks_skipped": self.blocks_skipped,
                 "lookups_pending": self.lookups_pending, "lookups_found_on_disk": self.lookups_found_on_disk,
                 "payload_mismatches": self.payload_mismatches, "foreign_files": self.foreign_files,
-                "scan_errors": self.scan_errors, "o_direct": self.o_direct, "spread_dirs": self.spread_dirs,
+                "scan_errors": self.scan_errors, "migrated_files": self.migrated_files, "o_direct": self.o_direct, "spread_dirs": self.spread_dirs,
                 "checksum": "crc32c" if self.crc_kind == fs_io.CRC_CRC32C else "crc32",
                 "native_io": isinstance(self._rw, NativeFilesIO),
             }
