@@ -36,5 +36,13 @@ setup(
             extra_compile_args=["-O2", "-Wall"],
             libraries=["dl"],
         ),
+        # a subscriber socket's drain in one call (kvevents/transport/zmq/_recv.py falls back to Python)
+        Extension(
+            "kvevents.transport.zmq._zmqrecv",
+            sources=["kvevents/transport/zmq/_zmqrecv.c"],
+            optional=True,
+            extra_compile_args=["-O2", "-Wall"],
+            libraries=["dl"],
+        ),
     ]
 )
