@@ -50,6 +50,19 @@ lt_key_at(const void *m, uint32_t e)
     return ((const LearnedTable *)m)->ent[e].key;
 }
 
+/* the incremental rehash's two halves for this table (out of line: only while one runs) */
+static __attribute__((noinline)) uint32_t
+lt_find_old(const LearnedTable *m, uint64_t k, uint32_t *pos)
+{
+    return oa_find_old(&m->old, k, m, lt_key_at, pos);
+}
+
+static __attribute__((noinline)) uint64_t
+lt_migrate(LearnedTable *m, uint32_t n)
+{
+    return oa_migrate(&m->old, m->slot, m->slot_mask, n, m, lt_key_at);
+}
+
 /* entry index of k or MT_NONE; *pos: its slot, OA_OLD | its slot in the old index of a rehash
  * under way, or, when absent, where it would go */
 static inline uint32_t
@@ -68,7 +81,7 @@ lt_find(const LearnedTable *m, uint64_t k, uint32_t *pos)
     }
     if (pos) *pos = i;
     if (__builtin_expect(m->old.slot != NULL, 0))
-        return oa_find_old(&m->old, k, m, lt_key_at, pos);
+        return lt_find_old(m, k, pos);
     return MT_NONE;
 }
 
@@ -121,7 +134,7 @@ lt_reserve(LearnedTable *m, uint64_t *moved)
         if (oa_start_rehash(&m->old, &m->slot, &m->slot_mask, m, lt_key_at, moved) < 0)
             return -1;
         m->rehashes++;
-        *moved += oa_migrate(&m->old, m->slot, m->slot_mask, m->mig_step, m, lt_key_at);
+        *moved += lt_migrate(m, m->mig_step);
     }
     if (m->used == m->cap) {
         if (m->live < m->used / 2)
@@ -148,7 +161,7 @@ lt_set(LearnedTable *m, uint64_t k, uint32_t tag, uint64_t val)
 {
     uint64_t moved = 0;
     if (__builtin_expect(m->old.slot != NULL, 0) &&
-        (moved = oa_migrate(&m->old, m->slot, m->slot_mask, m->mig_step, m, lt_key_at)) > m->moved_max)
+        (moved = lt_migrate(m, m->mig_step)) > m->moved_max)
         m->moved_max = moved;
     uint32_t pos;
     uint32_t e = lt_find(m, k, &pos);

@@ -90,43 +90,49 @@ typedef struct {
     uint32_t next;  /* the next position to move */
 } OaOld;
 
-/* the old table's half of a lookup: the entry of k (*pos = OA_OLD | position), or MT_NONE */
-static __attribute__((noinline, cold)) uint32_t
+/* the old table's half of a lookup: the entry of k (*pos = OA_OLD | position), or MT_NONE.
+ * Inlined into each table's lookup, so key_of is a direct, inlined access. */
+static inline __attribute__((always_inline)) uint32_t
 oa_find_old(const OaOld *o, uint64_t k, const void *table, oa_key_fn key_of, uint32_t *pos)
 {
-    uint32_t i = oa_home(k, o->mask);
+    const uint32_t *old = o->slot, mask = o->mask;
+    uint32_t i = oa_home(k, mask);
     for (;;) {
-        uint32_t s = o->slot[i];
+        uint32_t s = old[i];
         if (s == 0)
             return MT_NONE;
         if (s != OA_TOMB && key_of(table, s - 1) == k) {
             if (pos) *pos = OA_OLD | i;
             return s - 1;
         }
-        i = (i + 1) & o->mask;
+        i = (i + 1) & mask;
     }
 }
 
 /* move the old table's next n positions (every one for n = 0) into slot[]; the old table is
- * freed when it is empty. Entries moved. */
-static uint64_t
+ * freed when it is empty. Entries moved. (Inlined per table, like oa_find_old.) */
+static inline __attribute__((always_inline)) uint64_t
 oa_migrate(OaOld *o, uint32_t *slot, uint32_t slot_mask, uint32_t n, const void *table, oa_key_fn key_of)
 {
+    uint32_t *old = o->slot;
+    if (old == NULL)
+        return 0;
     uint64_t moved = 0;
-    while (o->slot != NULL) {
-        uint32_t s = o->slot[o->next];
-        if (s != 0 && s != OA_TOMB) {
+    uint32_t i = o->next, size = o->mask + 1;
+    uint32_t stop = n && size - i > n ? i + n : size;
+    for (; i < stop; i++) {
+        uint32_t s = old[i];
+        if ((uint32_t)(s - 1) < OA_TOMB - 1) { /* neither empty nor a tombstone */
             oa_place(slot, slot_mask, key_of(table, s - 1), s - 1);
-            o->slot[o->next] = OA_TOMB;
+            old[i] = OA_TOMB;
             moved++;
         }
-        if (o->next++ == o->mask) {
-            PyMem_RawFree(o->slot);
-            o->slot = NULL;
-            o->mask = o->next = 0;
-        }
-        if (n && --n == 0)
-            break;
+    }
+    o->next = i;
+    if (i == size) {
+        PyMem_RawFree(old);
+        o->slot = NULL;
+        o->mask = o->next = 0;
     }
     return moved;
 }
@@ -215,6 +221,19 @@ mt_key_at(const void *t, uint32_t e)
     return ENT((const MaskTable *)t, e)->key;
 }
 
+/* the incremental rehash's two halves for this table (out of line: only while one runs) */
+static __attribute__((noinline)) uint32_t
+mt_find_old(const MaskTable *t, uint64_t k, uint32_t *pos)
+{
+    return oa_find_old(&t->old, k, t, mt_key_at, pos);
+}
+
+static __attribute__((noinline)) uint64_t
+mt_migrate(MaskTable *t, uint32_t n)
+{
+    return oa_migrate(&t->old, t->slot, t->slot_mask, n, t, mt_key_at);
+}
+
 #include "_masktable_grow.h"
 
 /* entry of k, or MT_NONE; *pos gets the position where it is, OA_OLD | position when that is
@@ -235,14 +254,15 @@ mt_find(const MaskTable *t, uint64_t k, uint32_t *pos)
     }
     if (pos) *pos = i;
     if (__builtin_expect(t->old.slot != NULL, 0))
-        return oa_find_old(&t->old, k, t, mt_key_at, pos);
+        return mt_find_old(t, k, pos);
     return MT_NONE;
 }
 
 static inline void
 mt_unlink(MaskTable *t, uint32_t e)
 {
-    uint32_t p = ENT(t, e)->prv, q = ENT(t, e)->nxt;
+    const MEnt *x = ENT(t, e); /* each entry's address once: it takes a segment lookup */
+    uint32_t p = x->prv, q = x->nxt;
     if (p == MT_NONE) t->head = q; else ENT(t, p)->nxt = q;
     if (q == MT_NONE) t->tail = p; else ENT(t, q)->prv = p;
 }
@@ -250,8 +270,9 @@ mt_unlink(MaskTable *t, uint32_t e)
 static inline void
 mt_link_tail(MaskTable *t, uint32_t e)
 {
-    ENT(t, e)->prv = t->tail;
-    ENT(t, e)->nxt = MT_NONE;
+    MEnt *x = ENT(t, e);
+    x->prv = t->tail;
+    x->nxt = MT_NONE;
     if (t->tail == MT_NONE) t->head = e; else ENT(t, t->tail)->nxt = e;
     t->tail = e;
 }
@@ -263,7 +284,7 @@ mt_get_or_add(MaskTable *t, uint64_t k, int *created)
 {
     uint64_t moved = 0;
     if (__builtin_expect(t->old.slot != NULL, 0))
-        moved = oa_migrate(&t->old, t->slot, t->slot_mask, t->mig_step, t, mt_key_at);
+        moved = mt_migrate(t, t->mig_step);
     uint32_t pos;
     uint32_t e = mt_find(t, k, &pos);
     if (e != MT_NONE) {
@@ -283,9 +304,10 @@ mt_get_or_add(MaskTable *t, uint64_t k, int *created)
     } else {
         e = t->used++;
     }
-    ENT(t, e)->key = k;
-    ENT(t, e)->par = MT_NOPAR;
-    memset(ENT(t, e)->bits, 0, t->W * sizeof(uint64_t));
+    MEnt *x = ENT(t, e);
+    x->key = k;
+    x->par = MT_NOPAR;
+    memset(x->bits, 0, t->W * sizeof(uint64_t));
     t->slot[pos] = e + 1;
     mt_link_tail(t, e);
     t->n++;
@@ -328,14 +350,15 @@ mt_set_bit_parent(MaskTable *t, uint64_t k, uint32_t b, uint64_t parent)
     uint32_t e = mt_get_or_add(t, k, &created);
     if (e == MT_NONE)
         return -1;
+    MEnt *x = ENT(t, e);
     if (parent != MT_NOPAR)
-        ENT(t, e)->par = parent;
+        x->par = parent;
     if (!created && e != t->tail) {
         mt_unlink(t, e);
         mt_link_tail(t, e);
         t->version++;
     }
-    uint64_t *w = ENT(t, e)->bits + (b >> 6);
+    uint64_t *w = x->bits + (b >> 6);
     uint64_t m = (uint64_t)1 << (b & 63);
     if (*w & m)
         return 0;

@@ -127,7 +127,7 @@ mt_reserve(MaskTable *t, uint64_t *moved)
         if (oa_start_rehash(&t->old, &t->slot, &t->slot_mask, t, mt_key_at, moved) < 0)
             return -1;
         t->rehashes++;
-        *moved += oa_migrate(&t->old, t->slot, t->slot_mask, t->mig_step, t, mt_key_at);
+        *moved += mt_migrate(t, t->mig_step);
         changed = 1;
     }
     if (t->free_head == MT_NONE && t->used == t->cap && mt_store_add(t, moved) < 0)
