@@ -356,6 +356,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only-rate", action="store_true", help="section 1 (rates and CPU per stage) only")
+    ap.add_argument("--only-lag", action="store_true", help="section 2 (lag at 100k events/s) only")
     ap.add_argument("--events", type=int, nargs="*", default=[16, 64], help="events per batch in section 1")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds in section 1")
     ap.add_argument("--pack", type=int, default=PACK, help="batches per stream message in the packed plane runs")
@@ -370,7 +371,7 @@ def main() -> None:
         k = args.pack
         rows = []
         cpu_rows: dict[int, dict[str, float]] = {}
-        for events in args.events:
+        for events in ([] if args.only_lag else args.events):
             d_rates = []
             p_rates: dict[tuple[int, str], list[float]] = {(1, "file"): [], (k, "file"): [], (k, "memory"): []}
             if args.no_pack1:
@@ -388,27 +389,29 @@ def main() -> None:
             cols = ((1, "file"), (k, "file"), (k, "memory"))
             rows.append([events, n, f"{d:,.0f}", *(f"{med[c]:,.0f}" if c in med else "-" for c in cols),
                          f"{best / d:.2f}", f"{TARGET_RATE:,}", "met" if best >= TARGET_RATE else "missed"])
-        print_table("1. engine -> router, events/s (median of interleaved rounds; plane = engine -> ZeroMQ -> bridge "
-                    "process -> JetStream -> JetStreamSource -> KVRouter; direct ZeroMQ = engine -> Subscriber -> "
-                    "KVRouter, the limit on this machine)",
-                    ["events/batch", "batches", "direct ZeroMQ", "plane pack=1", f"plane pack={k}",
-                     f"pack={k} memory storage", "best/direct", "target", "best vs target"], rows)
-        print()
-        names = list(next(iter(cpu_rows.values())))
-        crow = []
-        for (events, storage), cpu in cpu_rows.items():
-            total = sum(cpu.values())
-            crow.append([events, storage, *(f"{cpu[c] * 1e6 / (n * events):.2f}" for c in names),
-                         f"{total * 1e6 / (n * events):.2f}", f"{2 * n * events / total:,.0f}"])
-        print_table(f"1c. where the time goes: CPU microseconds per event, per process (plane pack={k}, last round; "
-                    "the machine has 2 cores, so 2 / total is the most the whole path could do here)",
-                    ["events/batch", "storage", *names, "total", "2 cores / total, ev/s"], crow)
-        print()
+        if rows:
+            print_table("1. engine -> router, events/s (median of interleaved rounds; plane = engine -> ZeroMQ -> bridge "
+                        "process -> JetStream -> JetStreamSource -> KVRouter; direct ZeroMQ = engine -> Subscriber -> "
+                        "KVRouter, the limit on this machine)",
+                        ["events/batch", "batches", "direct ZeroMQ", "plane pack=1", f"plane pack={k}",
+                         f"pack={k} memory storage", "best/direct", "target", "best vs target"], rows)
+            print()
+            names = list(next(iter(cpu_rows.values())))
+            crow = []
+            for (events, storage), cpu in cpu_rows.items():
+                total = sum(cpu.values())
+                crow.append([events, storage, *(f"{cpu[c] * 1e6 / (n * events):.2f}" for c in names),
+                             f"{total * 1e6 / (n * events):.2f}", f"{2 * n * events / total:,.0f}"])
+            print_table(f"1c. where the time goes: CPU microseconds per event, per process (plane pack={k}, last round; "
+                        "the machine has 2 cores, so 2 / total is the most the whole path could do here)",
+                        ["events/batch", "storage", *names, "total", "2 cores / total, ev/s"], crow)
+            print()
         if args.only_rate:
             return
-        print_table(f"1b. where the time goes: each stage alone ({n} batches x 16 events)",
-                    ["stage", "events/s"], [[s, f"{r:,.0f}"] for s, r in stage_rates(n, 16, srv)])
-        print()
+        if not args.only_lag:
+            print_table(f"1b. where the time goes: each stage alone ({n} batches x 16 events)",
+                        ["stage", "events/s"], [[s, f"{r:,.0f}"] for s, r in stage_rates(n, 16, srv)])
+            print()
         lag_rows = []
         target = 100_000
         events = 16
@@ -432,6 +435,8 @@ def main() -> None:
                     "paces by sleeping)", ["path", "batches", "p50", "p99", "p99 added", "max", "target p99", "vs target"],
                     lag_rows)
         print()
+        if args.only_lag:
+            return
         blocks = 100_000 if args.quick else 1_000_000
         print_table(f"3. restart with a {blocks:,}-block index",
                     ["how", "entries", "snapshot B/entry", "save s", "load s", "ready s"], restart(blocks, srv))
