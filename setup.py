@@ -36,7 +36,8 @@ setup(
             extra_compile_args=["-O2", "-Wall"],
             libraries=["dl"],
         ),
-        # a subscriber socket's drain in one call (kvevents/transport/zmq/_recv.py falls back to Python)
+        # the live path's socket work in one call: a subscriber's drain, a publisher's sends
+        # (kvevents/transport/zmq/_recv.py falls back to Python)
         Extension(
             "kvevents.transport.zmq._zmqrecv",
             sources=["kvevents/transport/zmq/_zmqrecv.c"],
