@@ -359,6 +359,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=20261123)
     ap.add_argument("--skip", action="append", default=[], choices=["fuzz", "attacks", "kill"])
+    ap.add_argument("--attack", action="append", default=[], metavar="WORD",
+                    help="run only the attacks whose name contains WORD (repeatable; default: all)")
     ap.add_argument("--remote-attacker", action="store_true",
                     help="run the attacker process at nice 19 and SCHED_BATCH, as a peer on another machine would "
                          "cost this one nothing but its traffic (on a 2-core machine the attacker's own CPU otherwise "
@@ -372,6 +374,8 @@ def main() -> None:
         print(f"  fuzz done, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     if "attacks" not in args.skip:
         for kind in ATTACKS:
+            if args.attack and not any(w in kind for w in args.attack):
+                continue
             rows.append(attack_row(kind, 2.0 if args.quick else 10.0, 1000.0, remote=args.remote_attacker))
             print(f"  {kind} done, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     if "kill" not in args.skip:

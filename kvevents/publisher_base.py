@@ -81,6 +81,7 @@ class PublisherStats:
     replay_batches_served: int = 0
     replay_rate_limited: int = 0  #: requests that had to wait for their client's token bucket
     replay_malformed: int = 0  #: replay requests with a bad shape
+    replay_throttled: int = 0  #: pauses in reading replay requests: all clients together hit the global cap
     replay_aborted: int = 0  #: replays cut short (client gone, not reading, or no room in the replay budget)
     replay_stalled: int = 0  #: of those, replays whose client stopped reading (its byte budget full, no progress)
     replay_refused: int = 0  #: requests refused: the client's earlier answer sits unread, or too many clients

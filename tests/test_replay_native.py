@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import os
 import random
+import threading
+import time
 from collections import deque
 
 import pytest
@@ -153,4 +155,116 @@ def test_the_publishers_own_threads_never_preempt_the_engine() -> None:
                    for t in io)
         assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is left alone
     finally:
+        pub.shutdown()
+
+
+# ---- the global cap on reading the replay socket (a local flood) ------------------------------------
+
+
+@native
+def test_poll_requests_reads_no_more_messages_than_its_budget() -> None:
+    router, dealer = _router_and_dealer(b"me")
+    try:
+        for _ in range(10):
+            dealer.send_multipart([b"x"])
+        dealer.send_multipart([b"", (4).to_bytes(8, "big")])
+        assert router.poll(5000)
+        assert NATIVE.poll_requests(router.underlying, 1000, 256, 0) == ([], 0, 0)  # budget 0: reads nothing
+        got, malformed = [], 0
+        while not got:
+            reqs, bad, err = NATIVE.poll_requests(router.underlying, 1000, 256, 3)
+            assert err == 0 and len(reqs) + bad <= 3
+            got += reqs
+            malformed += bad
+        assert got == [(b"me", 4)] and malformed == 10  # each message read once, in order, none lost
+    finally:
+        dealer.close(0)
+        router.close(0)
+
+
+def _flood(rep: str, n: int) -> zmq.Socket:
+    """A DEALER that has queued ``n`` malformed requests toward ``rep`` (blocking sends: it is
+    held back, not refused, when the server stops reading)."""
+    hostile = zmq.Context.instance().socket(zmq.DEALER)
+    hostile.setsockopt(zmq.LINGER, 0)
+    hostile.setsockopt(zmq.SNDTIMEO, 20_000)
+    hostile.connect(rep)
+    for _ in range(n):
+        hostile.send_multipart([b"", b"abc"])
+    return hostile
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_all_clients_together_are_read_at_most_request_rate_messages_a_second(monkeypatch, use_native: bool) -> None:
+    """The global cap: past ``replay_request_burst`` + ``replay_request_rate`` x elapsed messages the
+    socket is not read (counted once per pause in ``replay_throttled``); what waits is read later,
+    none lost."""
+    if use_native and NATIVE is None:
+        pytest.skip(f"C helper unavailable: {STATUS}")
+    if not use_native:
+        monkeypatch.setattr(replay_mod, "NATIVE", None)
+    ep, rep = ipc_pair()
+    t0 = time.monotonic()
+    pub = ZmqEventPublisher(ep, rep, replay_request_rate=400.0, replay_request_burst=20)
+    hostile = _flood(rep, 300)
+    try:
+        seen = []
+
+        def read_so_far() -> bool:
+            n = pub.stats()["replay_malformed"]
+            seen.append((n, time.monotonic()))
+            return n == 300
+        assert collect_until(read_so_far, deadline=30.0)
+        assert all(n <= 20 + 400.0 * (t - t0) + 1 for n, t in seen), "read faster than the cap"
+        assert pub.stats()["replay_throttled"] >= 1
+    finally:
+        hostile.close(0)
+        pub.shutdown()
+
+
+def test_a_well_behaved_client_gets_its_replay_while_a_flood_is_throttled() -> None:
+    ep, rep = ipc_pair()
+    pub = ZmqEventPublisher(ep, rep, replay_request_rate=200.0, replay_request_burst=10)
+    ctx = zmq.Context.instance()
+    stop = threading.Event()
+    sent = [0]
+
+    def flood() -> None:
+        hostile = ctx.socket(zmq.DEALER)
+        hostile.setsockopt(zmq.LINGER, 0)
+        hostile.setsockopt(zmq.SNDTIMEO, 50)
+        hostile.connect(rep)
+        while not stop.is_set():
+            try:
+                hostile.send_multipart([b"x"])
+                sent[0] += 1
+            except zmq.Again:  # held back: the server is not reading
+                continue
+        hostile.close(0)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    legit = ctx.socket(zmq.DEALER)
+    legit.setsockopt(zmq.LINGER, 0)
+    try:
+        for i in range(30):
+            pub.publish(batch(i))
+        assert collect_until(lambda: pub.stats()["ring_batches"] == 30)
+        flooder.start()
+        assert collect_until(lambda: pub.stats()["replay_throttled"] >= 2, deadline=30.0)  # the cap holds the flood
+        legit.connect(rep)
+        legit.send_multipart([b"", (0).to_bytes(8, "big")])
+        got = []
+        while True:
+            assert legit.poll(20_000), "no replay for the well-behaved client during the flood"
+            frames = legit.recv_multipart()
+            if frames[2] == END:
+                break
+            got.append(int.from_bytes(frames[2], "big"))
+        assert got == list(range(30))
+        st = pub.stats()
+        assert st["replays_completed"] == 1 and st["replay_malformed"] < sent[0]  # the flood still waits
+    finally:
+        stop.set()
+        flooder.join(10)
+        legit.close(0)
         pub.shutdown()

@@ -34,6 +34,7 @@ _PUB_COUNTERS = {
     "kvevents.publisher.replay.rate_limited": "replay_rate_limited",
     "kvevents.publisher.replay.refused": "replay_refused",
     "kvevents.publisher.replay.superseded": "replay_superseded",
+    "kvevents.publisher.replay.throttled": "replay_throttled",
     "kvevents.publisher.replay.completed": "replays_completed",
     "kvevents.publisher.replay.active": "replay_active",
     "kvevents.publisher.replay.outstanding": "replay_outstanding_bytes",

@@ -12,12 +12,14 @@
  * (zmq.Socket.underlying) is then valid for them. Optional: kvevents/transport/zmq/_zmqio_py.py
  * falls back to pure Python where this module was not built or bind() fails.
  *
- * poll_requests(handle, timeout_ms, max) -> (requests, malformed, errno)
+ * poll_requests(handle, timeout_ms, max, budget=-1) -> (requests, malformed, errno)
  *     Receives from a ROUTER socket until at least one well-formed replay request
  *     [identity, b"", 8-byte big-endian start] came (up to `max` of them, as (identity, start)),
  *     or `timeout_ms` passed (0: only what is there now); any other shape is only counted, so a
- *     flood of malformed requests never wakes a Python thread. errno: 0, or the libzmq error
- *     that stopped it.
+ *     flood of malformed requests never wakes a Python thread. `budget` >= 0: at most that many
+ *     messages of any shape are received (the server's global request cap; what is left stays
+ *     queued in libzmq, whose bounded pipe then pushes back on the senders). errno: 0, or the
+ *     libzmq error that stopped it.
  * send_round(handle, jobs, overhead) -> [(sent, nbytes, tracker | None, errno), ...]
  *     jobs[j] = (ident, items): sends items[k] = (seq, topic, payload) as
  *     [ident, b"", topic, seq, payload] each, in order, stopping at the first that cannot go
@@ -210,14 +212,16 @@ static PyObject *zio_poll_requests(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *handle;
     long timeout;
-    Py_ssize_t max;
-    if (!PyArg_ParseTuple(args, "Oln", &handle, &timeout, &max))
+    Py_ssize_t max, budget = -1;
+    if (!PyArg_ParseTuple(args, "Oln|n", &handle, &timeout, &max, &budget))
         return NULL;
     void *sock = sock_of(handle);
     if (!sock)
         return NULL;
     if (max < 1 || max > 4096 || timeout < 0)
         return PyErr_Format(PyExc_ValueError, "max must be in 1..4096 and timeout >= 0, got %zd, %ld", max, timeout);
+    if (budget == 0)
+        return Py_BuildValue("([]ni)", (Py_ssize_t)0, 0);
     req_t *reqs = PyMem_RawMalloc(sizeof(req_t) * (size_t)max);
     if (!reqs)
         return PyErr_NoMemory();
@@ -252,7 +256,7 @@ static PyObject *zio_poll_requests(PyObject *mod, PyObject *args) {
         else
             malformed++;
         Z.msg_close(&m);
-        if (err || nreq == max)
+        if (err || nreq == max || nreq + malformed == budget)
             break;
     }
     Py_END_ALLOW_THREADS
@@ -427,7 +431,7 @@ static PyObject *zio_send_round(PyObject *mod, PyObject *args) {
 static PyMethodDef zio_methods[] = {
     {"bind", zio_bind, METH_O, "bind(libzmq_path) -> (major, minor, patch): use the libzmq loaded from that file"},
     {"poll_requests", zio_poll_requests, METH_VARARGS,
-     "poll_requests(handle, timeout_ms, max) -> (requests, malformed, errno): wait for replay requests"},
+     "poll_requests(handle, timeout_ms, max, budget=-1) -> (requests, malformed, errno): wait for replay requests"},
     {"send_round", zio_send_round, METH_VARARGS,
      "send_round(handle, jobs, overhead) -> [(sent, nbytes, tracker | None, errno), ...]"},
     {NULL, NULL, 0, NULL},

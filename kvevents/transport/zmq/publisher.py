@@ -39,7 +39,7 @@ from ...events import KVEventBatch
 from ...publisher_base import EventPublisher, PublisherStats, ShutdownReport, _Ring
 from .endpoints import offset_endpoint, should_bind, validate_endpoint
 from .frames import END_SEQ, pack_seq as _pack_seq
-from .replay import ReplayServer
+from .replay import REQUEST_BURST, REQUEST_RATE, ReplayServer
 from ._recv import NATIVE as _NATIVE
 from .sched import batch_thread
 
@@ -69,7 +69,9 @@ class ZmqEventPublisher(EventPublisher):
 
     Arguments mirror vLLM's KVEventsConfig (``endpoint``, ``replay_endpoint``, ``buffer_steps``,
     ``hwm``, ``max_queue_size``, ``topic``) plus our bounds: ``buffer_bytes`` for the ring,
-    ``overflow`` policy, ``replay_rate``/``replay_burst`` per replay client, ``mode``
+    ``overflow`` policy, ``replay_rate``/``replay_burst`` per replay client,
+    ``replay_request_rate``/``replay_request_burst`` for all replay clients together (messages read
+    off the replay socket a second; past it the socket is not read for a while), ``mode``
     (``auto``/``bind``/``connect``) for the PUB socket, and ``legacy`` encoding.
 
     ``drop_live`` is fault injection for tests and demos: a callable given each seq that,
@@ -97,6 +99,8 @@ class ZmqEventPublisher(EventPublisher):
         replay_client_bytes: int = 4 << 20,
         replay_buffer_bytes: int = 32 << 20,
         replay_stall_timeout: float = 2.0,
+        replay_request_rate: float = REQUEST_RATE,
+        replay_request_burst: int = REQUEST_BURST,
         hwm_bytes: int | None = 64 << 20,
         mean_batch_bytes: int = 2048,
         mode: str = "auto",
@@ -110,13 +114,15 @@ class ZmqEventPublisher(EventPublisher):
         for name, value in (("buffer_steps", buffer_steps), ("buffer_bytes", buffer_bytes),
                             ("max_queue_size", max_queue_size), ("replay_burst", replay_burst),
                             ("replay_client_bytes", replay_client_bytes), ("replay_buffer_bytes", replay_buffer_bytes),
-                            ("mean_batch_bytes", mean_batch_bytes), ("hwm_bytes", 1 if hwm_bytes is None else hwm_bytes)):
+                            ("mean_batch_bytes", mean_batch_bytes), ("replay_request_burst", replay_request_burst),
+                            ("hwm_bytes", 1 if hwm_bytes is None else hwm_bytes)):
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if not replay_stall_timeout > 0:
             raise ConfigError(f"replay_stall_timeout must be > 0, got {replay_stall_timeout!r}")
-        if hwm < 0 or replay_rate <= 0:
-            raise ConfigError(f"hwm must be >= 0 and replay_rate > 0, got hwm={hwm!r} replay_rate={replay_rate!r}")
+        if hwm < 0 or replay_rate <= 0 or not replay_request_rate > 0:
+            raise ConfigError(f"hwm must be >= 0, replay_rate and replay_request_rate > 0, got hwm={hwm!r} "
+                              f"replay_rate={replay_rate!r} replay_request_rate={replay_request_rate!r}")
         self.endpoint = offset_endpoint(validate_endpoint(endpoint), data_parallel_rank)
         self.replay_endpoint = (
             offset_endpoint(validate_endpoint(replay_endpoint, what="replay_endpoint"), data_parallel_rank)
@@ -173,7 +179,8 @@ class ZmqEventPublisher(EventPublisher):
                 self._replay = ReplayServer.bind(self._ctx, self.replay_endpoint, self._ring, self._stats,
                                                  rate=replay_rate, burst=replay_burst, hooks=lambda: self.hooks,
                                                  client_bytes=replay_client_bytes, total_bytes=replay_buffer_bytes,
-                                                 stall_timeout=replay_stall_timeout)
+                                                 stall_timeout=replay_stall_timeout,
+                                                 request_rate=replay_request_rate, request_burst=replay_request_burst)
         except zmq.ZMQError as exc:
             self._pub.close(0)
             raise EndpointError(

@@ -20,6 +20,14 @@ under hostile or stuck clients:
 * **Rate limits.** Each client (ZeroMQ identity) has a token bucket: a request over the limit
   waits for its turn (``replay_rate_limited``, once per waiting request); a newer request from
   the same client replaces its pending or running one (``replay_superseded``).
+* **A global cap on reading.** All clients together get at most ``request_rate`` messages a
+  second read off the socket (well-formed or not; a token bucket of ``request_burst``). Past it
+  the server stops reading for a while (``replay_throttled`` counts each pause): what was sent
+  waits in libzmq's bounded pipe (``RCVHWM`` messages per connection) and then in the kernel,
+  and a sender at its own high-water mark is made to wait, so a flood costs this process (and,
+  on the same machine, the flooder) little CPU whatever its rate, and nothing is dropped. Reading
+  resumes once ``PAUSE`` seconds of the cap have refilled; libzmq fair-queues the connections,
+  so a well-behaved client's request is read after at most one message of each other connection.
 
 A replay covers the batches the ring holds from ``start`` up to the newest one when the replay
 began; batches evicted while a slow replay runs are skipped (the client sees the seq jump and
@@ -64,6 +72,14 @@ CHUNK_BYTES = 256 << 10
 MSG_OVERHEAD = 5 * 64
 #: most requests received in one call of the C helper
 RECV_BURST = 256
+#: the global cap: messages read a second, all clients together, and the bucket's depth
+REQUEST_RATE = 1000.0
+REQUEST_BURST = 1000
+#: a throttled socket is read again once this many seconds of the cap have refilled (one wake-up
+#: per PAUSE, not one per message, under a flood)
+PAUSE = 0.05
+#: per-connection queue of unread requests (messages): a flooder is pushed back once it is full
+RCVHWM = 64
 #: ZMQ_THREAD_NAME_PREFIX of the replay sockets' own contexts: their I/O threads are named
 #: "1010/ZMQbg/IO/<n>" (libzmq 4.3 takes an int), which is how lower_io_threads finds them
 IO_THREAD_PREFIX = 1010
@@ -103,7 +119,8 @@ class ReplayServer:
 
     def __init__(self, sock: zmq.Socket, ring: _Ring, stats: PublisherStats, *, rate: float, burst: int,
                  hooks: Callable[[], Any] = lambda: None, client_bytes: int = 4 << 20,
-                 total_bytes: int = 32 << 20, stall_timeout: float = 2.0) -> None:
+                 total_bytes: int = 32 << 20, stall_timeout: float = 2.0, request_rate: float = REQUEST_RATE,
+                 request_burst: int = REQUEST_BURST) -> None:
         self._sock = sock
         self._ring = ring
         self._stats = stats
@@ -113,6 +130,11 @@ class ReplayServer:
         self.client_bytes = client_bytes
         self.total_bytes = total_bytes
         self.stall_timeout = stall_timeout
+        if not request_rate > 0 or not isinstance(request_burst, int) or request_burst < 1:
+            raise ValueError(f"request_rate must be > 0 and request_burst a positive int, got "
+                             f"{request_rate!r}, {request_burst!r}")
+        self.request_rate = float(request_rate)
+        self.request_burst = request_burst
         self._closing = False
         self._own_ctx: zmq.Context | None = None
         self._io_pending: set[int] = set()
@@ -145,6 +167,7 @@ class ReplayServer:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             # per-client message bound, a backstop: the byte accounting binds first
             sock.setsockopt(zmq.SNDHWM, kw.get("client_bytes", 4 << 20) // MSG_OVERHEAD + 2 * CHUNK)
+            sock.setsockopt(zmq.RCVHWM, RCVHWM)  # unread requests per connection (see request_rate)
             sock.bind(endpoint)
         except zmq.ZMQError:
             sock.close(0)
@@ -197,20 +220,38 @@ class ReplayServer:
         poller.register(sock, zmq.POLLIN)
         busy = False  # a replay could send at once
         tries = 100
+        rate, burst = self.request_rate, self.request_burst
+        tokens, refilled = float(burst), time.monotonic()  # the global cap (see request_rate)
+        resume = min(float(burst), max(1.0, rate * PAUSE))  # tokens a paused reader waits for
+        paused = False
         while not self._closing:
             if self._io_pending and tries:
                 tries -= 1
                 lowered, self._io_pending = lower_io_threads(self._io_pending, f"{IO_THREAD_PREFIX}/ZMQbg/IO/", IO_NICE)
                 self.io_threads |= lowered
             timeout = 0 if busy else 5 if replays else 20 if waiting else 200
-            if native is not None:
+            now = time.monotonic()
+            tokens = min(float(burst), tokens + (now - refilled) * rate)
+            refilled = now
+            if paused and tokens >= resume:
+                paused = False
+            elif not paused and tokens < 1.0:
+                paused = True
+                stats.replay_throttled += 1
+            if paused:  # read nothing: what was sent waits in libzmq's bounded pipes
+                incoming = ()
+                if not busy:
+                    time.sleep(min(timeout / 1000, (resume - tokens) / rate))
+            elif native is not None:
                 # waits, receives and checks off the GIL: malformed requests never wake this thread
-                incoming, malformed, err = native.poll_requests(handle, timeout, RECV_BURST)
+                incoming, malformed, err = native.poll_requests(handle, timeout, RECV_BURST, int(tokens))
                 stats.replay_malformed += malformed
+                tokens -= len(incoming) + malformed
                 if err:
                     raise zmq.ZMQError(err)
             else:
-                incoming = self._requests() if poller.poll(timeout) else ()
+                incoming, read = self._requests(int(tokens)) if poller.poll(timeout) else ((), 0)
+                tokens -= read
             if incoming:
                 for ident, start in incoming:
                     stats.replay_requests += 1
@@ -254,20 +295,24 @@ class ReplayServer:
             busy = self._round(replays, now)
             stats.replay_active = sum(1 for r in replays.values() if r.cursor is not None)
 
-    def _requests(self) -> list:
-        """The well-formed requests waiting on the socket, oldest first (malformed ones counted)."""
+    def _requests(self, budget: int) -> tuple[list, int]:
+        """The well-formed requests waiting on the socket, oldest first (malformed ones counted),
+        among at most ``budget`` messages read; and how many were read."""
         sock = self._sock
         out = []
-        while True:
+        read = 0
+        while read < budget:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return out
+                break
+            read += 1
             req = parse_replay_request(frames)
             if req is None:
                 self._stats.replay_malformed += 1
             else:
                 out.append(req)
+        return out, read
 
     def _round(self, replays: dict[bytes, _Replay], now: float) -> bool:
         """One chunk to each replay that may send; True if any could send more at once."""
