@@ -152,3 +152,24 @@ def test_a_shared_root_lookup_finds_a_block_an_older_tier_wrote(tmp_path: Path) 
     assert t.lookup(K(4)) is LookupResult.RETRY  # in neither place: a miss
     assert t.drain_jobs(timeout=20) and t.lookup(K(4)) is LookupResult.MISS
     t.shutdown()
+
+
+def test_with_fsync_the_new_fanout_directories_are_synced(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import manager.tiering.fs_scan as fs_scan
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(fs_scan.os, "fsync", fsync)
+    t = tier_at(tmp_path / "a", fsync=True)
+    assert synced == [str(tmp_path / "a")]  # the root, once, after its directories were made
+    t.shutdown()
+    t = tier_at(tmp_path / "a", fsync=True)  # nothing made: nothing to sync
+    t2 = tier_at(tmp_path / "b")  # fsync off: no sync
+    assert synced == [str(tmp_path / "a")]
+    t.shutdown()
+    t2.shutdown()

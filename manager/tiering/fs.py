@@ -52,7 +52,7 @@ from ..base import LookupResult, OffloadKey, OffloadPolicy, ReqContext, RequestO
 from . import fs_io
 from .base import JobMetadata, JobResult, SecondaryTierManager
 from .fs_rw import OS_ERROR, BlockFilesIO, NativeFilesIO, PythonFilesIO
-from .fs_scan import FANOUT_DIRS, OwnerLock, block_path, probe_block, scan_root
+from .fs_scan import OwnerLock, block_path, make_fanout_dirs, probe_block, scan_root
 
 __all__ = ["FileSystemSecondaryTierManager"]
 
@@ -154,14 +154,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self._owner = OwnerLock(self._root)
         self._token = self._owner.token
         self._dirs: set[str] = set()  # fan-out directories known to exist
-        for sub in FANOUT_DIRS:  # (best effort: a read-only root still loads)
-            try:
-                os.mkdir(os.path.join(self._root, sub))
-                self._dirs.add(sub)
-            except FileExistsError:
-                self._dirs.add(sub)
-            except OSError:
-                pass
+        self._dirs.update(make_fanout_dirs(self._root, fsync))
         self._recover()
 
     # -- files -------------------------------------------------------------------

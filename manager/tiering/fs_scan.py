@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from .fs_io import HEADER_SIZE, LEGACY_MAGIC, MAGIC, BlockFileError, read_header
 
 __all__ = [
-    "FANOUT_DIRS", "OWNERS", "OwnerLock", "ScanResult", "block_path", "legacy_block_path", "probe_block",
+    "FANOUT_DIRS", "OWNERS", "OwnerLock", "ScanResult", "block_path", "legacy_block_path", "make_fanout_dirs", "probe_block",
     "probe_block_file", "scan_root",
 ]
 
@@ -54,6 +54,29 @@ def legacy_block_path(root: str, key: bytes) -> str:
     """Where the previous layout (256 fan-out directories) kept it."""
     h = key.hex()
     return f"{root}/{h[:2]}/{h}{SUFFIX}"
+
+
+def make_fanout_dirs(root: str, sync: bool) -> set[str]:
+    """Create the 16 fan-out directories (those missing) and return the ones that exist; best
+    effort: a read-only root still loads. ``sync``: the root is ``fsync``ed after a creation,
+    so the directories survive a power loss with the blocks later written in them."""
+    have, made = set(), False
+    for sub in FANOUT_DIRS:
+        try:
+            os.mkdir(os.path.join(root, sub))
+            made = True
+        except FileExistsError:
+            pass
+        except OSError:
+            continue
+        have.add(sub)
+    if made and sync:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return have
 
 
 class OwnerLock:
