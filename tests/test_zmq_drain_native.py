@@ -121,6 +121,7 @@ def test_the_publisher_counts_the_same_with_and_without_the_c_sends(monkeypatch,
             for i in range(100):
                 pub.publish(KVEventBatch(1.0, [BlockStored([i], None, [1, 2], 2, None, "GPU", None)] * (i % 3 + 1)))
             frames = [sub.recv_multipart() for _ in range(100)]
+            pub.shutdown(1)  # joins the sender thread: it counts a group after sending it
             stats = pub.stats()
         finally:
             pub.shutdown(1)
