@@ -183,7 +183,7 @@ plan_close(Plan *p)
 
 /* row r of the plan: (slot, pod, rank, state, factor, pod_index), checked; *slot, *pi, *factor.
  * The row (borrowed), or NULL with an exception */
-static PyObject *
+static inline __attribute__((always_inline)) PyObject *
 plan_row(const Plan *p, Py_ssize_t r, const char *fn, long *slot, Py_ssize_t *pi, double *factor)
 {
     PyObject *row = PyTuple_GET_ITEM(p->rows, r);
@@ -205,7 +205,7 @@ plan_row(const Plan *p, Py_ssize_t r, const char *fn, long *slot, Py_ssize_t *pi
 
 /* the endpoint at walk slot `slot`: its PodTiers with this factor and pod load. 0, or -1 with
  * an exception (a tier name that cannot be compared) */
-static int
+static inline __attribute__((always_inline)) int
 plan_pod(const Plan *p, long slot, double factor, double pod_load, PodTiers *a)
 {
     const Walk *w = &p->w;
