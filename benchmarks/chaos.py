@@ -287,6 +287,7 @@ def attack_row(kind: str, seconds: float, rate: float, window: float = 0.5, remo
             f"publish p50 {p50:.1f} us; "
             f"RSS bound ring {ring / 2**20:.1f} MiB + {RSS_BUDGET >> 20} MiB: {'met' if grew <= ring + RSS_BUDGET else 'NOT MET'}; "
             f"replay served {st['replay_batches_served']:,}, malformed {st['replay_malformed']:,}, "
+            f"reading paused at the global cap {st.get('replay_throttled', 0):,}x, "
             f"aborted {st['replay_aborted']:,}"]
 
 
