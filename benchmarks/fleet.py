@@ -180,6 +180,8 @@ def run_direct(n: int, events: int, rate: float, tmp: Path) -> tuple[float, list
     lags = []
     with Subscriber([(ep, rep, "engine-0")], raw=True) as sub:
         time.sleep(0.3)  # ZeroMQ's slow joiner: the SUB connects before the engine starts
+        procs = {"engine": p.pid, "router (subscriber + apply)": None}
+        cpu0 = _cpu_all(procs)
         p.stdin.write("go\n")
         p.stdin.flush()
         got = 0
@@ -191,10 +193,12 @@ def run_direct(n: int, events: int, rate: float, tmp: Path) -> tuple[float, list
                     lags.append(time.time() - peek_ts(d.payload))
                     got += 1
         t_end = time.time()
+        cpu1 = _cpu_all(procs)
     t0 = float(p.stdout.readline().split()[1])
     p.stdin.write("bye\n")
     p.stdin.flush()
     p.wait(10)
+    run_direct.cpu = {k: cpu1[k] - cpu0[k] for k in procs}  # CPU seconds of the last run, per process
     return got * events / (t_end - t0), lags
 
 
@@ -378,6 +382,7 @@ def main() -> None:
                 del p_rates[1, "file"]
             for _ in range(rounds):  # interleaved rounds
                 d_rates.append(run_direct(n, events, 0, tmp)[0])
+                cpu_rows[events, "direct ZeroMQ"] = run_direct.cpu
                 for pack, storage in p_rates:
                     rate, _, stats = run_plane(n, events, 0, tmp, srv, pack, storage)
                     p_rates[pack, storage].append(rate)
@@ -396,14 +401,20 @@ def main() -> None:
                         ["events/batch", "batches", "direct ZeroMQ", "plane pack=1", f"plane pack={k}",
                          f"pack={k} memory storage", "best/direct", "target", "best vs target"], rows)
             print()
-            names = list(next(iter(cpu_rows.values())))
+            names = next(v for k, v in cpu_rows.items() if k[1] != "direct ZeroMQ")
             crow = []
-            for (events, storage), cpu in cpu_rows.items():
+            order = sorted(cpu_rows.items(), key=lambda kv: (kv[0][0], kv[0][1] == "direct ZeroMQ"))
+            for (events, storage), cpu in order:
                 total = sum(cpu.values())
-                crow.append([events, storage, *(f"{cpu[c] * 1e6 / (n * events):.2f}" for c in names),
+                if storage == "direct ZeroMQ":  # engine and router only: the same engine, no plane between
+                    per = [cpu["engine"], None, None, cpu["router (subscriber + apply)"]]
+                else:
+                    per = [cpu[c] for c in names]
+                crow.append([events, storage, *("-" if v is None else f"{v * 1e6 / (n * events):.2f}" for v in per),
                              f"{total * 1e6 / (n * events):.2f}", f"{2 * n * events / total:,.0f}"])
             print_table(f"1c. where the time goes: CPU microseconds per event, per process (plane pack={k}, last round; "
-                        "the machine has 2 cores, so 2 / total is the most the whole path could do here)",
+                        "the machine has 2 cores, so 2 / total is the most the whole path could do here; the direct "
+                        "ZeroMQ row: the same engine read by a router without the plane, same round)",
                         ["events/batch", "storage", *names, "total", "2 cores / total, ev/s"], crow)
             print()
         if args.only_rate:
