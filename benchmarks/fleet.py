@@ -119,6 +119,8 @@ from kvevents import decode_batch
 import msgspec
 pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rep, topic="kv@engine-0@m", buffer_steps=max(n, 1000))
 batches = [decode_batch(p) for p in payloads(n, events)]
+import gc
+gc.freeze()  # the n pre-built batches are this script's, not an engine's: the collector must not rescan them
 print("ready", flush=True)
 sys.stdin.readline()
 t0 = time.time()
