@@ -32,6 +32,7 @@ setup(
         Extension(
             "kvevents.transport.zmq._zmqio",
             sources=["kvevents/transport/zmq/_zmqio.c"],
+            depends=["kvevents/transport/zmq/_zmqlib.h"],
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
             libraries=["dl"],
@@ -41,6 +42,7 @@ setup(
         Extension(
             "kvevents.transport.zmq._zmqrecv",
             sources=["kvevents/transport/zmq/_zmqrecv.c"],
+            depends=["kvevents/transport/zmq/_zmqlib.h"],
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
             libraries=["dl"],

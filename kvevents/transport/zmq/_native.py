@@ -7,11 +7,12 @@ why. ``KVEVENTS_ZMQIO=0`` in the environment turns it off (A/B measurements, tes
 
 from __future__ import annotations
 
+import importlib
 import os
 
-import zmq
+import zmq  # noqa: F401  (loads libzmq: libzmq_path() finds it among the mapped files)
 
-__all__ = ["NATIVE", "STATUS", "libzmq_path"]
+__all__ = ["NATIVE", "STATUS", "libzmq_path", "load_bound"]
 
 
 def libzmq_path() -> str | None:
@@ -27,21 +28,24 @@ def libzmq_path() -> str | None:
     return None
 
 
-def _load():
-    if os.environ.get("KVEVENTS_ZMQIO", "1") == "0":
-        return None, "off (KVEVENTS_ZMQIO=0)"
+def load_bound(module: str, env: str) -> tuple[object | None, str]:
+    """Import the optional C helper ``module`` (a sibling of this file) and bind it to this
+    process's libzmq: (the module, a status line), or (None, why not). ``env``=0 in the
+    environment turns it off (A/B measurements, tests of the fallback)."""
+    if os.environ.get(env, "1") == "0":
+        return None, f"off ({env}=0)"
     try:
-        from . import _zmqio
+        mod = importlib.import_module(f"{__package__}.{module}")
     except ImportError as exc:
         return None, f"not built ({exc})"
     path = libzmq_path()
     if path is None:
         return None, "libzmq not found among this process's mapped files"
     try:
-        version = _zmqio.bind(path)
+        version = mod.bind(path)
     except OSError as exc:
         return None, f"cannot bind to libzmq: {exc}"
-    return _zmqio, f"native (libzmq {'.'.join(map(str, version))} from {path})"
+    return mod, f"native (libzmq {'.'.join(map(str, version))} from {path})"
 
 
-NATIVE, STATUS = _load()
+NATIVE, STATUS = load_bound("_zmqio", "KVEVENTS_ZMQIO")

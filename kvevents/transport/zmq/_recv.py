@@ -10,28 +10,8 @@ tests of the fallback).
 
 from __future__ import annotations
 
-import os
-
-from ._native import libzmq_path
+from ._native import load_bound
 
 __all__ = ["NATIVE", "STATUS"]
 
-
-def _load():
-    if os.environ.get("KVEVENTS_ZMQRECV", "1") == "0":
-        return None, "off (KVEVENTS_ZMQRECV=0)"
-    try:
-        from . import _zmqrecv
-    except ImportError as exc:
-        return None, f"not built ({exc})"
-    path = libzmq_path()
-    if path is None:
-        return None, "libzmq not found among this process's mapped files"
-    try:
-        version = _zmqrecv.bind(path)
-    except OSError as exc:
-        return None, f"cannot bind to libzmq: {exc}"
-    return _zmqrecv, f"native (libzmq {'.'.join(map(str, version))} from {path})"
-
-
-NATIVE, STATUS = _load()
+NATIVE, STATUS = load_bound("_zmqrecv", "KVEVENTS_ZMQRECV")
