@@ -96,17 +96,6 @@ static PyObject *zio_bind(PyObject *mod, PyObject *arg) {
     return zmqlib_bind(arg);
 }
 
-static void *sock_of(PyObject *handle) {
-    if (!bound) {
-        PyErr_SetString(PyExc_RuntimeError, "_zmqio.bind() was not called");
-        return NULL;
-    }
-    void *s = PyLong_AsVoidPtr(handle);
-    if (!s && !PyErr_Occurred())
-        PyErr_SetString(PyExc_ValueError, "a null socket handle");
-    return s;
-}
-
 /* ---- poll_requests --------------------------------------------------------------------------- */
 
 typedef struct {

@@ -74,4 +74,17 @@ static PyObject *zmqlib_bind(PyObject *arg) {
     return Py_BuildValue("(iii)", major, minor, patch);
 }
 
+/* pyzmq's socket handle (zmq.Socket.underlying) as a pointer, once bind() succeeded; NULL with
+ * a Python error set otherwise. */
+static void *sock_of(PyObject *handle) {
+    if (!bound) {
+        PyErr_SetString(PyExc_RuntimeError, "bind() was not called");
+        return NULL;
+    }
+    void *s = PyLong_AsVoidPtr(handle);
+    if (!s && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "a null socket handle");
+    return s;
+}
+
 #endif

@@ -50,11 +50,9 @@ static PyObject *zr_drain(PyObject *mod, PyObject *args) {
     Py_ssize_t max;
     if (!PyArg_ParseTuple(args, "On", &handle, &max))
         return NULL;
-    if (!bound)
-        return PyErr_Format(PyExc_RuntimeError, "_zmqrecv.bind() was not called");
-    void *sock = PyLong_AsVoidPtr(handle);
+    void *sock = sock_of(handle);
     if (!sock)
-        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "a null socket handle");
+        return NULL;
     if (max < 1 || max > 4096)
         return PyErr_Format(PyExc_ValueError, "max must be in 1..4096, got %zd", max);
     PyObject *msgs = PyList_New(0);
@@ -117,11 +115,9 @@ static PyObject *zr_send_live(PyObject *mod, PyObject *args) {
     PyObject *handle, *items;
     if (!PyArg_ParseTuple(args, "OO!", &handle, &PyList_Type, &items))
         return NULL;
-    if (!bound)
-        return PyErr_Format(PyExc_RuntimeError, "_zmqrecv.bind() was not called");
-    void *sock = PyLong_AsVoidPtr(handle);
+    void *sock = sock_of(handle);
     if (!sock)
-        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "a null socket handle");
+        return NULL;
     Py_ssize_t n = PyList_GET_SIZE(items), sent = 0;
     long long nbytes = 0;
     int err = 0;
