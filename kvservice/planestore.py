@@ -75,20 +75,35 @@ class PlaneStore:
         await self.obs.put(replica, data, meta=api.ObjectMeta(name=replica, description=desc))
 
     async def candidates(self) -> list[tuple[int, str]]:
-        """Saved snapshots as (stream_seq, object name), newest first."""
+        """Saved snapshots as (stream_seq, object name), newest first.
+
+        Read from the bucket's stream state (one meta subject per object, and its last message),
+        not with nats-py's ``list()``: that walks a watcher which, while replicas save their
+        snapshots, hangs (7 of 289 calls did not end within 3 s in a stress run) or lists an
+        object twice or not at all."""
         from nats.js.errors import NotFoundError
 
-        try:
-            infos = await self.obs.list()
-        except NotFoundError:
-            return []
+        stream = f"OBJ_{self.snapshots_bucket}"
+        prefix = f"$O.{self.snapshots_bucket}.M."
+        info = await self.js.stream_info(stream, subjects_filter=f"{prefix}>")
         out = []
-        for info in infos:
+        for subject in (info.state.subjects or {}):
             try:
-                seq = int(json.loads(info.description or "{}").get("stream_seq", -1))
+                msg = await self.js.get_last_msg(stream, subject)
+            except NotFoundError:
+                continue  # removed since the listing
+            try:
+                name = base64.urlsafe_b64decode(subject[len(prefix):] + "==").decode()
+            except (ValueError, UnicodeDecodeError):
+                continue  # not a name this store wrote
+            try:
+                meta = json.loads(msg.data)
+                if meta.get("deleted"):
+                    continue
+                seq = int(json.loads(meta.get("description") or "{}").get("stream_seq", -1))
             except (ValueError, TypeError, AttributeError):
                 seq = -1  # a foreign or damaged description: tried last
-            out.append((seq, info.name))
+            out.append((seq, name))
         out.sort(reverse=True)
         return out
 

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 from kvevents.errors import KVEventsError
 from kvevents.transport.nats._loop import LoopThread, connect
@@ -84,7 +85,7 @@ class Replica:
         self._started = time.monotonic()
         self.ready_after: float | None = None
         try:
-            self._lt.call(self._open(url, ttl))
+            self._startup("connect and open the buckets", self._open(url, ttl))
             start_seq = self._start_point()
             self.source = JetStreamSource(url, durable=f"replica-{name}", stream=self.stream, start_seq=start_seq,
                                           pods=self._pods, **(source_kw or {}))
@@ -101,6 +102,16 @@ class Replica:
         self.store = PlaneStore(self.js, stream=self.stream.name, ttl=ttl, storage=self.stream.storage)
         await self.store.open()
 
+    STARTUP_STEP_S = 30.0  #: the most one start-up step may take before the replica gives up, naming it
+
+    def _startup(self, what: str, coro):
+        """Run one start-up step on the loop; one that does not finish is a KVEventsError naming it."""
+        try:
+            return self._lt.call(coro, self.STARTUP_STEP_S)
+        except (TimeoutError, FuturesTimeout):  # the same class from Python 3.11 on
+            raise KVEventsError(f"start-up step '{what}' did not finish in {self.STARTUP_STEP_S:g} s "
+                                f"(is nats-server reachable and JetStream enabled?)") from None
+
     def _start_point(self) -> int:
         """Restore the newest snapshot, publish what it covers, and make sure no purge passed it
         meanwhile; returns the stream seq to read from.
@@ -115,14 +126,14 @@ class Replica:
             if start_seq is None:  # nothing newer restores: keep what we have
                 break
             chosen = start_seq - 1
-            self._lt.call(self.store.cover(self.name, chosen))  # before reading anything
+            self._startup("publish its cover", self.store.cover(self.name, chosen))  # before reading anything
             self.covered = chosen
-            newest = max((seq for seq, obj in self._lt.call(self.store.candidates()) if (seq, obj) not in self._bad),
+            newest = max((seq for seq, obj in self._startup("list the snapshots", self.store.candidates()) if (seq, obj) not in self._bad),
                           default=0)
             if newest <= chosen:
                 break
             self.counters["restart_rechecks"] += 1
-        first = self._lt.call(self.js.stream_info(self.stream.name)).state.first_seq
+        first = self._startup("read the stream's first seq", self.js.stream_info(self.stream.name)).state.first_seq
         if first > self.covered + 1:
             # the stream no longer holds what follows our snapshot: the index will miss those batches
             self.counters["purged_before_read"] += first - self.covered - 1
@@ -134,7 +145,7 @@ class Replica:
         """Restore the newest snapshot (newer than ``newer_than``) that restores; the stream seq to
         read from, 1 for a cold start, or None if nothing newer restored (the current state stays)."""
         t0 = time.perf_counter()
-        for seq, obj in self._lt.call(self.store.candidates()):
+        for seq, obj in self._startup("list the snapshots", self.store.candidates()):
             if seq <= newer_than:
                 break
             if (seq, obj) in self._bad:

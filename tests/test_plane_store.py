@@ -96,3 +96,29 @@ def test_a_snapshot_whose_chunks_are_gone_is_a_named_error_not_a_hang(nats_serve
             await store.load_with_pods("r")
         return True
     assert _run(nats_server.url, body)
+
+
+def test_candidates_lists_every_snapshot_while_replicas_save_theirs(nats_server) -> None:
+    async def body(store: PlaneStore, js):
+        for i, n in enumerate(("a", "b")):
+            await store.save(n, b"s" * 200_000, 10 + i)
+        stop = asyncio.Event()
+
+        async def saver(n, base):
+            i = base
+            while not stop.is_set():
+                i += 2
+                await store.save(n, b"s" * 200_000, i)
+        tasks = [asyncio.create_task(saver("a", 10)), asyncio.create_task(saver("b", 11))]
+        seen = []
+        try:
+            for _ in range(150):
+                seen.append(await asyncio.wait_for(store.candidates(), 10))
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+        return seen
+    seen = _run(nats_server.url, body)
+    wrong = [c for c in seen if sorted(n for _, n in c) != ["a", "b"]]
+    assert not wrong, f"{len(wrong)} of {len(seen)} listings were wrong, e.g. {wrong[0]}"
+    assert all(c == sorted(c, reverse=True) and all(seq >= 10 for seq, _ in c) for c in seen)
