@@ -12,6 +12,8 @@
  * Memory comes from PyMem_Raw* (tracemalloc counts it).
  */
 
+#include "_oa.h"
+
 enum { LT_INT = 0, LT_OBJ = 1, LT_DEAD = 2 };
 
 typedef struct {
