@@ -168,20 +168,7 @@ py_json_request(PyObject *self, PyObject *body)
     }
     if (p != end || !seen[2] || n == 0)
         goto other;
-    if (array_type == NULL) {
-        PyObject *mod = PyImport_ImportModule("array");
-        if (mod == NULL)
-            goto done;
-        array_type = PyObject_GetAttrString(mod, "array");
-        Py_DECREF(mod);
-        if (array_type == NULL)
-            goto done;
-    }
-    PyObject *bytes = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)(n * sizeof(uint32_t)));
-    if (bytes == NULL)
-        goto done;
-    PyObject *arr = PyObject_CallFunction(array_type, "sO", "I", bytes);
-    Py_DECREF(bytes);
+    PyObject *arr = uint_array(out, n);
     if (arr == NULL)
         goto done;
     res = Py_BuildValue("(OON)", vals[0] ? vals[0] : Py_None, vals[1] ? vals[1] : Py_None, arr);

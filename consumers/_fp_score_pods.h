@@ -19,6 +19,27 @@
 
 static PyObject *array_type; /* array.array, imported on first use */
 
+/* array('I') of out[0..n) (new reference), or NULL with an exception set */
+static PyObject *
+uint_array(const uint32_t *out, size_t n)
+{
+    if (array_type == NULL) {
+        PyObject *mod = PyImport_ImportModule("array");
+        if (mod == NULL)
+            return NULL;
+        array_type = PyObject_GetAttrString(mod, "array");
+        Py_DECREF(mod);
+        if (array_type == NULL)
+            return NULL;
+    }
+    PyObject *bytes = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)(n * sizeof(uint32_t)));
+    if (bytes == NULL)
+        return NULL;
+    PyObject *arr = PyObject_CallFunction(array_type, "sO", "I", bytes);
+    Py_DECREF(bytes);
+    return arr;
+}
+
 /* ------------------------------------------------------------------ json_tokens */
 
 static inline const char *
@@ -80,20 +101,7 @@ py_json_tokens(PyObject *self, PyObject *raw)
     }
     if (p != end - 1)
         goto other;
-    if (array_type == NULL) {
-        PyObject *mod = PyImport_ImportModule("array");
-        if (mod == NULL)
-            goto done;
-        array_type = PyObject_GetAttrString(mod, "array");
-        Py_DECREF(mod);
-        if (array_type == NULL)
-            goto done;
-    }
-    PyObject *bytes = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)(n * sizeof(uint32_t)));
-    if (bytes == NULL)
-        goto done;
-    res = PyObject_CallFunction(array_type, "sO", "I", bytes);
-    Py_DECREF(bytes);
+    res = uint_array(out, n);
     goto done;
 other:
     res = Py_NewRef(Py_None);
