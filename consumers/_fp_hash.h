@@ -8,19 +8,28 @@
 #define XXP5 ((uint64_t)2870177450012600261ULL)
 #define KEY_MASK ((uint64_t)0x0FFFFFFFFFFFFFFFULL) /* 2**60 - 1 */
 
+/* v mod 2**61 - 1 without a division: 2**61 = 1 (mod 2**61 - 1), so fold the top 3 bits in;
+ * the sum is below 2 * (2**61 - 1), so one subtraction finishes it */
+static inline uint64_t
+mod_p61(uint64_t v)
+{
+    uint64_t r = (v & HMOD) + (v >> 61);
+    return r >= HMOD ? r - HMOD : r;
+}
+
 static inline int64_t
 int_hash_u(uint64_t v)
 {
-    return (int64_t)(v % HMOD);
+    return (int64_t)mod_p61(v);
 }
 
 static inline int64_t
 int_hash_s(int64_t v)
 {
     if (v >= 0)
-        return (int64_t)((uint64_t)v % HMOD);
+        return (int64_t)mod_p61((uint64_t)v);
     uint64_t mag = (uint64_t)0 - (uint64_t)v;
-    int64_t h = -(int64_t)(mag % HMOD);
+    int64_t h = -(int64_t)mod_p61(mag);
     return h == -1 ? -2 : h;
 }
 

@@ -18,28 +18,71 @@
 
 /* ------------------------------------------------------------------ the keys */
 
-/* keys of every full block of the buffer's ints (itemsize 4 or 8, signed or not) */
+/* the hash CPython gives item i of a buffer of ints of this kind */
+static inline __attribute__((always_inline)) int64_t
+item_hash(const char *base, Py_ssize_t i, char kind)
+{
+    switch (kind) {
+    case 'I': { uint32_t x; memcpy(&x, base + i * 4, 4); return (int64_t)x; }
+    case 'i': { int32_t x; memcpy(&x, base + i * 4, 4); return int_hash_s(x); }
+    case 'Q': { uint64_t x; memcpy(&x, base + i * 8, 8); return int_hash_u(x); }
+    default: { int64_t x; memcpy(&x, base + i * 8, 8); return int_hash_s(x); }
+    }
+}
+
+/* content[b]: the tuple hash of block b's bs ints, for nb blocks. The blocks are independent:
+ * four at a time, so that their chains of multiplies overlap (one block's is serial). kind is a
+ * constant where this is inlined: no per-item switch. */
+static inline __attribute__((always_inline)) void
+contents_of(const char *base, char kind, Py_ssize_t bs, Py_ssize_t nb, int64_t *content)
+{
+    Py_ssize_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        uint64_t a0 = XXP5, a1 = XXP5, a2 = XXP5, a3 = XXP5;
+        Py_ssize_t i0 = b * bs;
+        for (Py_ssize_t j = 0; j < bs; j++) {
+            a0 = lane_mix(a0, item_hash(base, i0 + j, kind));
+            a1 = lane_mix(a1, item_hash(base, i0 + bs + j, kind));
+            a2 = lane_mix(a2, item_hash(base, i0 + 2 * bs + j, kind));
+            a3 = lane_mix(a3, item_hash(base, i0 + 3 * bs + j, kind));
+        }
+        content[b] = tuple_end(a0, (uint64_t)bs);
+        content[b + 1] = tuple_end(a1, (uint64_t)bs);
+        content[b + 2] = tuple_end(a2, (uint64_t)bs);
+        content[b + 3] = tuple_end(a3, (uint64_t)bs);
+    }
+    for (; b < nb; b++) {
+        uint64_t a = XXP5;
+        for (Py_ssize_t j = 0; j < bs; j++)
+            a = lane_mix(a, item_hash(base, b * bs + j, kind));
+        content[b] = tuple_end(a, (uint64_t)bs);
+    }
+}
+
+#define KB_CHUNK 64
+
+/* keys of every full block of the buffer's ints (itemsize 4 or 8, signed or not): the blocks'
+ * content hashes a chunk at a time, then the chain through them (a key is < 2**60, so the
+ * hash of a key, the next step's lane, is the key itself) */
 static void
 keys_of_buffer(const Py_buffer *v, char kind, Py_ssize_t bs, int64_t parent_lane, uint64_t *keys, Py_ssize_t nb)
 {
-    const char *base = v->buf;
-    uint64_t k = 0;
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        uint64_t acc = XXP5;
-        Py_ssize_t i0 = b * bs;
-        for (Py_ssize_t j = 0; j < bs; j++) {
-            int64_t h;
-            const char *q = base + (i0 + j) * v->itemsize;
-            switch (kind) {
-            case 'I': { uint32_t x; memcpy(&x, q, 4); h = (int64_t)x; break; }
-            case 'i': { int32_t x; memcpy(&x, q, 4); h = int_hash_s(x); break; }
-            case 'Q': { uint64_t x; memcpy(&x, q, 8); h = int_hash_u(x); break; }
-            default: { int64_t x; memcpy(&x, q, 8); h = int_hash_s(x); break; }
-            }
-            acc = lane_mix(acc, h);
+    int64_t content[KB_CHUNK];
+    int64_t lane = parent_lane;
+    for (Py_ssize_t b0 = 0; b0 < nb; b0 += KB_CHUNK) {
+        Py_ssize_t m = nb - b0 < KB_CHUNK ? nb - b0 : KB_CHUNK;
+        const char *base = (const char *)v->buf + b0 * bs * v->itemsize;
+        switch (kind) {
+        case 'I': contents_of(base, 'I', bs, m, content); break;
+        case 'i': contents_of(base, 'i', bs, m, content); break;
+        case 'Q': contents_of(base, 'Q', bs, m, content); break;
+        default: contents_of(base, 'q', bs, m, content); break;
         }
-        k = b ? chain_step(k, tuple_end(acc, (uint64_t)bs)) : chain_step_lane(parent_lane, tuple_end(acc, (uint64_t)bs));
-        keys[b] = k;
+        for (Py_ssize_t b = 0; b < m; b++) {
+            uint64_t k = chain_step_lane(lane, content[b]);
+            keys[b0 + b] = k;
+            lane = (int64_t)k;
+        }
     }
 }
 
