@@ -1,123 +1,99 @@
 /* _fp_score_answer.h: the service's hot route in C, bytes out (included by _fp_score_pods.h,
  * after _fp_score_json.h, whose json_request reads the request).
  *
- * score_json(table, tokens, parent, block_size, plan, model) -> (answer, top_tiers) | None
+ * score_json(table, tokens, parent, block_size, plan, model_json) -> (answer, top_tiers) | None
  *     score_pods with no load (every pod's load 0.0), written straight to the JSON answer of
  *     /v1/score: {"model", "prompt_tokens", "pick", "pods": [Score...]} with the pods sorted
  *     by (-total, load, pod) and each Score's fields in the Struct's order; the same totals
- *     bit for bit (the same float arithmetic in the same order). top_tiers: the pick's
- *     tokens_by_tier as a dict (for the router's counters), or None without a pick. None when
- *     the plan has a pod, state, rank or factor of a type this writer does not know (the
- *     caller then takes score_pods + msgspec).
+ *     bit for bit (the same float arithmetic in the same order) and the same bytes as msgspec
+ *     writes. model_json: the model as a JSON string (bytes, msgspec's). What only the plan
+ *     decides comes written from it (consumers.scorer._json_plan: per row the pod's JSON
+ *     string and its Score's text before the total and after matched_tokens, per stage the
+ *     tier's "name":, the pods in name order); this call writes the numbers between them.
+ *     top_tiers: the pick's tokens_by_tier as a dict (for the router's counters), or None
+ *     without a pick. None when the plan has no fragments (a pod, state, rank or factor of a
+ *     type the plan does not write): the caller then takes score_pods + msgspec.
  */
 
-/* ------------------------------------------------------------------ the JSON writer */
+/* ------------------------------------------------------------------ numbers as msgspec writes them */
 
-typedef struct {
-    char *p;
-    size_t n, cap;
-    int err;
-} JBuf;
-
-static void
-jb_put(JBuf *j, const char *s, size_t n)
+/* v in decimal at q; the end */
+static inline char *
+jw_long(char *q, long long v)
 {
-    if (j->err)
-        return;
-    if (j->n + n > j->cap) {
-        size_t cap = j->cap ? j->cap : 4096;
-        while (cap < j->n + n)
-            cap *= 2;
-        char *q = PyMem_Realloc(j->p, cap);
-        if (q == NULL) {
-            j->err = 1;
-            return;
-        }
-        j->p = q;
-        j->cap = cap;
-    }
-    memcpy(j->p + j->n, s, n);
-    j->n += n;
-}
-
-#define JB_LIT(j, s) jb_put((j), (s), sizeof(s) - 1)
-
-/* a str as a JSON string (quotes, backslashes and controls escaped; the rest as UTF-8) */
-static void
-jb_str(JBuf *j, PyObject *s)
-{
-    Py_ssize_t n;
-    const char *u = PyUnicode_AsUTF8AndSize(s, &n);
-    if (u == NULL) {
-        PyErr_Clear();
-        j->err = 1;
-        return;
-    }
-    JB_LIT(j, "\"");
-    Py_ssize_t run = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)u[i];
-        if (c >= 0x20 && c != '"' && c != '\\')
-            continue;
-        jb_put(j, u + run, (size_t)(i - run));
-        char esc[8];
-        snprintf(esc, sizeof esc, c == '"' ? "\\\"" : c == '\\' ? "\\\\" : "\\u%04x", c);
-        jb_put(j, esc, strlen(esc));
-        run = i + 1;
-    }
-    jb_put(j, u + run, (size_t)(n - run));
-    JB_LIT(j, "\"");
-}
-
-static void
-jb_long(JBuf *j, long long v)
-{
-    char s[24], *q = s + sizeof s;
+    char s[24], *e = s + sizeof s, *d = e;
     unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
     do {
-        *--q = (char)('0' + u % 10);
+        *--d = (char)('0' + u % 10);
         u /= 10;
     } while (u);
     if (v < 0)
-        *--q = '-';
-    jb_put(j, q, (size_t)(s + sizeof s - q));
+        *--d = '-';
+    memcpy(q, d, (size_t)(e - d));
+    return q + (e - d);
 }
 
-/* a float as msgspec writes one: the shortest repr (Python's), null when not finite */
-static void
-jb_double(JBuf *j, double v)
+#define JW_DOUBLE_MAX 32
+
+/* a float as msgspec writes one (at most JW_DOUBLE_MAX bytes): null when not finite, else the
+ * shortest digits that read back the same (Python's repr's), in fixed notation for decimal
+ * exponents -5..15 and otherwise as d[.ddd]e[-]x (no '+', no leading zeros: 1e22, 1.5e-7).
+ * Python's repr differs from that only at exponent -5 (1e-05 where msgspec writes 0.00001) and
+ * in the exponent's '+' and zeros. The end, or NULL (no memory) */
+static char *
+jw_double(char *q, double v)
 {
     if (!isfinite(v)) {
-        JB_LIT(j, "null");
-        return;
+        memcpy(q, "null", 4);
+        return q + 4;
     }
     if (v == 0.0) { /* most pods' totals and every load: no repr needed */
-        if (signbit(v))
-            JB_LIT(j, "-0.0");
-        else
-            JB_LIT(j, "0.0");
-        return;
+        if (signbit(v)) {
+            memcpy(q, "-0.0", 4);
+            return q + 4;
+        }
+        memcpy(q, "0.0", 3);
+        return q + 3;
     }
     if (v == 1.0) {
-        JB_LIT(j, "1.0");
-        return;
+        memcpy(q, "1.0", 3);
+        return q + 3;
     }
     char *s = PyOS_double_to_string(v, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
-    if (s == NULL) {
-        PyErr_Clear();
-        j->err = 1;
-        return;
+    if (s == NULL)
+        return NULL;
+    char *e = strchr(s, 'e');
+    if (e == NULL) {
+        size_t n = strlen(s);
+        memcpy(q, s, n);
+        q += n;
+    } else {
+        int x = atoi(e + 1);
+        const char *m = s;
+        if (*m == '-')
+            *q++ = *m++;
+        if (x == -5) { /* d[.ddd]e-05 -> 0.0000d[ddd] */
+            memcpy(q, "0.0000", 6);
+            q += 6;
+            for (; m < e; m++)
+                if (*m != '.')
+                    *q++ = *m;
+        } else {
+            memcpy(q, m, (size_t)(e - m));
+            q += e - m;
+            *q++ = 'e';
+            q = jw_long(q, x);
+        }
     }
-    jb_put(j, s, strlen(s));
     PyMem_Free(s);
+    return q;
 }
 
 /* ------------------------------------------------------------------ score_json */
 
 typedef struct {
-    PyObject *pod, *rank, *state, *factor_o; /* borrowed from the plan */
-    const char *name;
-    Py_ssize_t name_len;
+    PyObject *frag;  /* (pod's JSON string, text before total, text after matched_tokens): borrowed */
+    uint32_t byname; /* the pod's place in name order */
     PodTiers t;
 } PodAns;
 
@@ -127,130 +103,172 @@ podans_cmp(const void *a, const void *b)
     const PodAns *x = *(PodAns *const *)a, *y = *(PodAns *const *)b;
     if (x->t.total != y->t.total)
         return x->t.total > y->t.total ? -1 : 1; /* higher total first (loads are all 0.0) */
-    Py_ssize_t m = x->name_len < y->name_len ? x->name_len : y->name_len;
-    int c = memcmp(x->name, y->name, (size_t)m); /* UTF-8 order is code point order (str's <) */
-    return c ? c : (x->name_len > y->name_len) - (x->name_len < y->name_len);
+    return (x->byname > y->byname) - (x->byname < y->byname);
 }
+
+/* the pods in name order -> sorted by (-total, name): a stable sort on the total alone. Most
+ * pods of an answer share a total (0.0: nothing matched), so an insertion sort moves only the
+ * few that matched; past 64 pods, qsort (the same order) bounds the worst case. */
+static void
+podans_sort(PodAns **order, size_t n)
+{
+    if (n > 64) {
+        qsort(order, n, sizeof(PodAns *), podans_cmp);
+        return;
+    }
+    for (size_t i = 1; i < n; i++) {
+        PodAns *x = order[i];
+        size_t j = i;
+        while (j > 0 && order[j - 1]->t.total < x->t.total) {
+            order[j] = order[j - 1];
+            j--;
+        }
+        order[j] = x;
+    }
+}
+
+#define JW_LIT(q, s) (memcpy((q), (s), sizeof(s) - 1), (q) += sizeof(s) - 1)
+#define JW_BYTES(q, o) (memcpy((q), PyBytes_AS_STRING(o), (size_t)PyBytes_GET_SIZE(o)), (q) += PyBytes_GET_SIZE(o))
+#define ANS_STACK 128
 
 static PyObject *
 py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "score_json(table, tokens, parent, block_size, plan, model)");
+        PyErr_SetString(PyExc_TypeError, "score_json(table, tokens, parent, block_size, plan, model_json)");
         return NULL;
     }
     PyObject *model = args[5];
-    if (!PyUnicode_Check(model)) {
-        PyErr_SetString(PyExc_TypeError, "score_json: model must be a str");
+    if (!PyBytes_Check(model)) {
+        PyErr_SetString(PyExc_TypeError, "score_json: model_json must be bytes (the model as a JSON string)");
         return NULL;
     }
     Plan p;
     if (plan_open(&p, args, "score_json") < 0)
         return NULL;
-    PyObject *names = p.names;
-    Py_ssize_t nrows = p.nrows, n_tok = p.n_tok;
-    PodAns *ans = NULL;
-    PodAns **best = NULL, **order = NULL; /* best: per pod index; order: the pods in first-seen order */
-    JBuf j = {NULL, 0, 0, 0};
-    PyObject *result = NULL, *top_tiers = NULL;
-    const double pod_load = 0.0;
-    size_t cnt = nrows ? (size_t)nrows : 1;
-    ans = PyMem_Calloc(cnt, sizeof(PodAns));
-    best = PyMem_Calloc(cnt, sizeof(PodAns *));
-    order = PyMem_Calloc(cnt, sizeof(PodAns *));
-    if (ans == NULL || best == NULL || order == NULL) {
-        PyErr_NoMemory();
-        goto fail;
+    PyObject *plan = args[4];
+    PyObject *frags = PyTuple_GET_ITEM(plan, 9), *tier_frags = PyTuple_GET_ITEM(plan, 10),
+             *byname = PyTuple_GET_ITEM(plan, 11);
+    Py_ssize_t nrows = p.nrows;
+    PodAns stack_ans[ANS_STACK], *ans = stack_ans;
+    PodAns *stack_best[ANS_STACK], **best = stack_best; /* per pod index: its best rank's answer */
+    PodAns *stack_order[ANS_STACK], **order = stack_order;
+    PyObject *result = NULL, *top_tiers = NULL, *out = NULL;
+    if (frags == Py_None) { /* types the plan does not write */
+        result = Py_NewRef(Py_None);
+        goto done;
     }
-    size_t npods = 0;
+    if (!PyTuple_Check(frags) || PyTuple_GET_SIZE(frags) != nrows || !PyTuple_Check(tier_frags) ||
+        PyTuple_GET_SIZE(tier_frags) < (Py_ssize_t)p.w.T || !PyBytes_Check(byname) ||
+        PyBytes_GET_SIZE(byname) > nrows * (Py_ssize_t)sizeof(uint32_t) || PyBytes_GET_SIZE(byname) % sizeof(uint32_t)) {
+        PyErr_SetString(PyExc_TypeError, "score_json: malformed plan (JSON fragments)");
+        goto done;
+    }
+    for (uint32_t s = 0; s < p.w.T; s++)
+        if (!PyBytes_Check(PyTuple_GET_ITEM(tier_frags, s))) {
+            PyErr_SetString(PyExc_TypeError, "score_json: malformed plan (tier fragments)");
+            goto done;
+        }
+    if (nrows > ANS_STACK) {
+        ans = PyMem_Malloc((size_t)nrows * sizeof(PodAns));
+        best = PyMem_Malloc((size_t)nrows * sizeof(PodAns *));
+        order = PyMem_Malloc((size_t)nrows * sizeof(PodAns *));
+        if (ans == NULL || best == NULL || order == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    memset(best, 0, (size_t)nrows * sizeof(PodAns *));
     for (Py_ssize_t r = 0; r < nrows; r++) {
         long slot;
         Py_ssize_t pi;
         double factor;
-        PyObject *row = plan_row(&p, r, "score_json", &slot, &pi, &factor);
-        if (row == NULL)
-            goto fail;
+        if (plan_row(&p, r, "score_json", &slot, &pi, &factor) == NULL)
+            goto done;
         PodAns *a = &ans[r];
-        a->pod = PyTuple_GET_ITEM(row, 1);
-        a->rank = PyTuple_GET_ITEM(row, 2);
-        a->state = PyTuple_GET_ITEM(row, 3);
-        a->factor_o = PyTuple_GET_ITEM(row, 4);
-        /* only what this writer writes like msgspec: exact str pod/state, int rank, float factor */
-        if (!PyUnicode_CheckExact(a->pod) || !PyUnicode_CheckExact(a->state) || !PyLong_CheckExact(a->rank) ||
-            !PyFloat_CheckExact(a->factor_o))
-            goto unknown;
-        a->name = PyUnicode_AsUTF8AndSize(a->pod, &a->name_len);
-        if (a->name == NULL || plan_pod(&p, slot, factor, pod_load, &a->t) < 0)
-            goto fail;
-        /* keep the pod's best rank: replace if prev is None or total > prev.total */
-        if (best[pi] == NULL)
-            order[npods++] = best[pi] = a;
-        else if (a->t.total > best[pi]->t.total) {
-            for (size_t q = 0; q < npods; q++)
-                if (order[q] == best[pi])
-                    order[q] = a;
-            best[pi] = a;
+        a->frag = PyTuple_GET_ITEM(frags, r);
+        if (!PyTuple_Check(a->frag) || PyTuple_GET_SIZE(a->frag) != 3 || !PyBytes_Check(PyTuple_GET_ITEM(a->frag, 0)) ||
+            !PyBytes_Check(PyTuple_GET_ITEM(a->frag, 1)) || !PyBytes_Check(PyTuple_GET_ITEM(a->frag, 2))) {
+            PyErr_SetString(PyExc_TypeError, "score_json: malformed plan (a row's fragments)");
+            goto done;
         }
+        if (plan_pod(&p, slot, factor, 0.0, &a->t) < 0)
+            goto done;
+        /* keep the pod's best rank: replace if prev is None or total > prev.total */
+        if (best[pi] == NULL || a->t.total > best[pi]->t.total)
+            best[pi] = a;
     }
-    qsort(order, npods, sizeof(PodAns *), podans_cmp);
-    JB_LIT(&j, "{\"model\":");
-    jb_str(&j, model);
-    JB_LIT(&j, ",\"prompt_tokens\":");
-    jb_long(&j, (long long)n_tok);
-    JB_LIT(&j, ",\"pick\":");
+    /* the pods in name order, then by total */
+    const uint32_t *names_order = (const uint32_t *)PyBytes_AS_STRING(byname);
+    size_t npods = 0, cap = 128 + (size_t)PyBytes_GET_SIZE(model);
+    size_t tier_max = 0;
+    for (uint32_t s = 0; s < p.w.T; s++)
+        if ((size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(tier_frags, s)) > tier_max)
+            tier_max = (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(tier_frags, s));
+    for (Py_ssize_t q = 0; q < PyBytes_GET_SIZE(byname) / (Py_ssize_t)sizeof(uint32_t); q++) {
+        uint32_t pi = names_order[q];
+        if (pi >= (uint32_t)nrows) {
+            PyErr_SetString(PyExc_ValueError, "score_json: a pod index out of range in the plan");
+            goto done;
+        }
+        PodAns *a = best[pi];
+        if (a == NULL)
+            continue;
+        a->byname = (uint32_t)npods;
+        order[npods++] = a;
+        cap += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(a->frag, 1)) + (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(a->frag, 2)) +
+               64 + JW_DOUBLE_MAX + a->t.ntier * (tier_max + 24);
+    }
+    podans_sort(order, npods);
     if (npods)
-        jb_str(&j, order[0]->pod);
+        cap += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(order[0]->frag, 0));
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)cap);
+    if (out == NULL)
+        goto done;
+    char *q = PyBytes_AS_STRING(out);
+    JW_LIT(q, "{\"model\":");
+    JW_BYTES(q, model);
+    JW_LIT(q, ",\"prompt_tokens\":");
+    q = jw_long(q, (long long)p.n_tok);
+    JW_LIT(q, ",\"pick\":");
+    if (npods)
+        JW_BYTES(q, PyTuple_GET_ITEM(order[0]->frag, 0));
     else
-        JB_LIT(&j, "null");
-    JB_LIT(&j, ",\"pods\":[");
-    for (size_t q = 0; q < npods; q++) {
-        PodAns *a = order[q];
-        if (q)
-            JB_LIT(&j, ",");
-        JB_LIT(&j, "{\"pod\":");
-        jb_str(&j, a->pod);
-        JB_LIT(&j, ",\"total\":");
-        jb_double(&j, a->t.total);
-        JB_LIT(&j, ",\"tokens_by_tier\":{");
+        JW_LIT(q, "null");
+    JW_LIT(q, ",\"pods\":[");
+    for (size_t k = 0; k < npods; k++) {
+        PodAns *a = order[k];
+        if (k)
+            *q++ = ',';
+        JW_BYTES(q, PyTuple_GET_ITEM(a->frag, 1));
+        if ((q = jw_double(q, a->t.total)) == NULL)
+            goto done;
+        JW_LIT(q, ",\"tokens_by_tier\":{");
         for (uint32_t t = 0; t < a->t.ntier; t++) {
             if (t)
-                JB_LIT(&j, ",");
-            jb_str(&j, PyTuple_GET_ITEM(names, a->t.tier[t]));
-            JB_LIT(&j, ":");
-            jb_long(&j, a->t.toks[t]);
+                *q++ = ',';
+            JW_BYTES(q, PyTuple_GET_ITEM(tier_frags, a->t.tier[t]));
+            q = jw_long(q, a->t.toks[t]);
         }
-        JB_LIT(&j, "},\"matched_tokens\":");
-        jb_long(&j, a->t.matched);
-        JB_LIT(&j, ",\"rank\":");
-        long long rank = PyLong_AsLongLong(a->rank);
-        if (rank == -1 && PyErr_Occurred())
-            goto fail;
-        jb_long(&j, rank);
-        JB_LIT(&j, ",\"state\":");
-        jb_str(&j, a->state);
-        JB_LIT(&j, ",\"factor\":");
-        jb_double(&j, PyFloat_AS_DOUBLE(a->factor_o));
-        JB_LIT(&j, ",\"load\":");
-        jb_double(&j, pod_load);
-        JB_LIT(&j, "}");
+        JW_LIT(q, "},\"matched_tokens\":");
+        q = jw_long(q, a->t.matched);
+        JW_BYTES(q, PyTuple_GET_ITEM(a->frag, 2));
     }
-    JB_LIT(&j, "]}");
-    if (j.err) /* a str that is not UTF-8 (lone surrogates), or no memory: the Python path answers */
-        goto unknown;
+    JW_LIT(q, "]}");
+    if (_PyBytes_Resize(&out, q - PyBytes_AS_STRING(out)) < 0)
+        goto done; /* out is NULL then */
     if (npods && (top_tiers = plan_tiers_dict(&p, &order[0]->t)) == NULL)
-        goto fail;
-    PyObject *bytes = PyBytes_FromStringAndSize(j.p, (Py_ssize_t)j.n);
-    if (bytes != NULL)
-        result = Py_BuildValue("(NO)", bytes, top_tiers ? top_tiers : Py_None);
-    goto fail;
-unknown:
-    result = Py_NewRef(Py_None);
-fail:
+        goto done;
+    result = PyTuple_Pack(2, out, top_tiers ? top_tiers : Py_None);
+done:
+    Py_XDECREF(out);
     Py_XDECREF(top_tiers);
-    PyMem_Free(j.p);
-    PyMem_Free(ans);
-    PyMem_Free(best);
-    PyMem_Free(order);
+    if (ans != stack_ans)
+        PyMem_Free(ans);
+    if (best != stack_best)
+        PyMem_Free(best);
+    if (order != stack_order)
+        PyMem_Free(order);
     plan_close(&p);
     return result;
 }

@@ -113,7 +113,7 @@ done:
 
 /* ------------------------------------------------------------------ the plan, shared */
 
-#define PLAN_LEN 9
+#define PLAN_LEN 12 /* score_pods reads the first 9; score_json the JSON fragments too */
 
 /* One call's plan, unpacked, with the walk done: what score_pods and score_json share. */
 typedef struct {

@@ -6,6 +6,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping
 
+import msgspec
+
 from .endpoints import Endpoints
 from .index import Index
 from .keys import _FAST, as_token_list, chain_keys, model_seed
@@ -22,6 +24,25 @@ _score_json = getattr(_FAST, "score_json", None)
 _DIRECT = (list, tuple, array)
 
 
+_enc = msgspec.json.encode
+
+
+def _json_plan(rows: tuple, pods: dict, stages: list) -> tuple:
+    """What score_json writes that only the plan decides, as msgspec writes it: per row the
+    pod's JSON string (the pick), the Score's text before its total and after its matched
+    tokens (load 0.0); per stage its tier's ``"name":``; the pods' indices in name order (the
+    answer's order where totals tie). (None, None, None) where a row holds a type the writer
+    does not take (it then answers None and the caller takes score() + msgspec)."""
+    if not all(type(pod) is str and type(rank) is int and type(state) is str and type(factor) is float
+               for _slot, pod, rank, state, factor, _pi in rows):
+        return None, None, None
+    frags = tuple((_enc(pod), b'{"pod":' + _enc(pod) + b',"total":',
+                   b',"rank":' + _enc(rank) + b',"state":' + _enc(state) + b',"factor":' + _enc(factor) +
+                   b',"load":0.0}') for _slot, pod, rank, state, factor, _pi in rows)
+    return (frags, tuple(_enc(name) + b":" for _, name, _ in stages),
+            array("I", [pods[p] for p in sorted(pods)]).tobytes())
+
+
 class Scorer:
     def __init__(self, config: RouterConfig, endpoints: Endpoints, index: Index, stats: RouterStats) -> None:
         self._cfg = config
@@ -30,6 +51,7 @@ class Scorer:
         self.index = index
         self._stats = stats
         self._cplan: tuple = (None, None)  # (the endpoints' plan, score_pods' plan built from it)
+        self._model_json: dict[str, bytes] = {}  # model -> its JSON string (score_json's answer)
 
     def _table(self, lanes):
         """The index's C table when the walk can run in C (native backend, or a wrapper of it),
@@ -40,7 +62,7 @@ class Scorer:
         return index.native_table()
 
     def _pods_plan(self, plan: tuple) -> tuple:
-        """score_pods' plan for the endpoints' ``plan`` (rebuilt when that changes)."""
+        """score_pods' and score_json's plan for the endpoints' ``plan`` (rebuilt when that changes)."""
         cached = self._cplan
         if cached[0] is plan:
             return cached[1]
@@ -50,7 +72,7 @@ class Scorer:
                      for ep, state, factor in eps if factor > 0)
         lw = self._cfg.load_weight
         cplan = (lanes, start, rows, tuple(n for _, n, _ in stages), tuple(float(w) for _, _, w in stages),
-                 float(lw), float(-lw), Score, self._bs)
+                 float(lw), float(-lw), Score, self._bs) + _json_plan(rows, pods, stages)
         self._cplan = (plan, cplan)
         return cplan
 
@@ -137,7 +159,12 @@ class Scorer:
         table = self._table(plan[1])
         if table is None:
             return None
-        res = _score_json(table, toks, model_seed(model, lora_name), self._bs, self._pods_plan(plan), model)
+        model_json = self._model_json.get(model)
+        if model_json is None:
+            model_json = _enc(model)
+            if len(self._model_json) < 64:  # the fleet's models (a query's unknown one is refused before)
+                self._model_json[model] = model_json
+        res = _score_json(table, toks, model_seed(model, lora_name), self._bs, self._pods_plan(plan), model_json)
         if res is None:
             return None
         self.index.matched_natively(len(toks) // self._bs)

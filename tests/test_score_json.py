@@ -130,3 +130,20 @@ def test_json_request_reads_every_digit_count(width):
         for sep in (",", ", ", " ,  "):
             body = ('{"token_ids": [' + sep.join(map(str, toks)) + "]}").encode()
             assert list(json_request(body)[2]) == toks, body
+
+
+@pytest.mark.parametrize("weight", [1e-5, 3.3e-6, 1.5e-20, 7e-5, 1e-4, 2e17, 1e22, 12345678.9, 1e300])
+def test_score_json_writes_floats_as_msgspec_does(weight):
+    """msgspec writes a float's shortest digits like repr, but in fixed notation down to a
+    decimal exponent of -5 (0.00001, where repr writes 1e-05) and without '+' or leading zeros
+    in an exponent (1e22, 1.5e-20): the C writer's totals are msgspec's bytes at every scale."""
+    routers = [KVRouter(RouterConfig(model="m", index="native", block_size=4, tier_weights={"GPU": weight, "CPU": 0.5}))
+               for _ in range(2)]
+    for r in routers:
+        for i, name in enumerate(["a", "b\n", "c\x01"]):  # names msgspec escapes (\n, \u0001)
+            r.apply(name, KVEventBatch(0.0, [BlockStored([1, 2, 3][: i + 1], None, list(range(4 * (i + 1))), 4, None,
+                                                         "GPU", None)], 0))
+    for prompt in (list(range(12)), list(range(12)) + [7] * 29, list(range(4)) + [9] * 400):
+        got = routers[0].scorer.score_json(prompt, None, model="m")
+        assert got == _answer(routers[1], prompt)
+        assert json.loads(got)["pods"][0]["total"] == routers[1].score(prompt)[json.loads(got)["pick"]].total
