@@ -29,6 +29,7 @@ Schema (every section and key optional unless marked; unknown keys are errors)::
     stale_after = 10.0
     replay_timeout = 2.0
     bind = "tcp://*:5557"        # bind mode: engines connect here (pods then need a topic)
+    poll_interval = 0.002        # s: ingest polls at most this often while batches trickle in
 
     [[pods]]
     name = "pod-a"               # required
@@ -112,6 +113,10 @@ class SubscriberConfig:
     #: nats://HOST:PORT: read the fleet's events from the JetStream event plane instead of ZeroMQ
     event_plane: str | None = None
     replica_name: str | None = None  #: with event_plane: the durable consumer's name (default kvrouter-<pid>)
+    #: seconds: while batches trickle in, the ingest thread polls at most this often (each poll of
+    #: many pods' sockets costs CPU, each wake-up a GIL hand-over); a backlog drains without pause;
+    #: 0: poll again at once
+    poll_interval: float = 0.002
 
 
 @dataclass(slots=True)
@@ -220,6 +225,9 @@ class ServiceConfig:
             v = getattr(self.subscriber, k)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"subscriber.{k} must be a positive number, got {v!r}")
+        v = self.subscriber.poll_interval
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
+            raise ConfigError(f"subscriber.poll_interval must be seconds in [0, 1], got {v!r}")
         self.router_config()
         return self
 
