@@ -72,12 +72,16 @@ keys_of_buffer(const Py_buffer *v, char kind, Py_ssize_t bs, int64_t parent_lane
     for (Py_ssize_t b0 = 0; b0 < nb; b0 += KB_CHUNK) {
         Py_ssize_t m = nb - b0 < KB_CHUNK ? nb - b0 : KB_CHUNK;
         const char *base = (const char *)v->buf + b0 * bs * v->itemsize;
-        switch (kind) {
-        case 'I': contents_of(base, 'I', bs, m, content); break;
-        case 'i': contents_of(base, 'i', bs, m, content); break;
-        case 'Q': contents_of(base, 'Q', bs, m, content); break;
-        default: contents_of(base, 'q', bs, m, content); break;
-        }
+        if (bs == 16 && kind == 'I') /* the default block size of the API's token buffers: unrolled */
+            contents_of(base, 'I', 16, m, content);
+        else if (kind == 'I')
+            contents_of(base, 'I', bs, m, content);
+        else if (kind == 'i')
+            contents_of(base, 'i', bs, m, content);
+        else if (kind == 'Q')
+            contents_of(base, 'Q', bs, m, content);
+        else
+            contents_of(base, 'q', bs, m, content);
         for (Py_ssize_t b = 0; b < m; b++) {
             uint64_t k = chain_step_lane(lane, content[b]);
             keys[b0 + b] = k;
