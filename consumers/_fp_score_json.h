@@ -1,15 +1,180 @@
 /* _fp_score_json.h: the service's hot route in C, bytes in (included by _fp_score_pods.h; the
- * answer, bytes out, is _fp_score_answer.h).
+ * answer, bytes out, is _fp_score_answer.h). Both readers take the ints of a token array with
+ * one parser, json_uint_array.
  *
  * json_request(body) -> (model, lora_name, tokens) | None
  *     A /v1/score or /v1/pick body of the common shape, read in one pass: a JSON object whose
  *     keys are only "model", "lora_name" (each a string without escapes, or null) and
  *     "token_ids" (a non-empty array of JSON ints in [0, 2**32)), each at most once, nothing
- *     but whitespace after it. tokens: an array('I'). None for ANY other body (other keys,
- *     escapes, floats, leading zeros, duplicates, invalid UTF-8, bad JSON...): the caller then
+ *     but whitespace after it. tokens: a memoryview of format 'I' over a bytes object (no
+ *     copy; len, iteration, tolist() and the buffer protocol as an array('I') has them).
+ *     None for ANY other body (other keys, escapes, floats, leading zeros, duplicates,
+ *     invalid UTF-8, bad JSON...): the caller then
  *     decodes it with msgspec, which accepts or names the error; whatever this reader accepts,
  *     msgspec's ScoreRequest + token_ids_of read the same values from.
+ *
+ * json_tokens(raw) -> array('I') | None
+ *     The token ids of a JSON array of non-negative ints below 2**32 (the text msgspec.Raw
+ *     keeps of a request's "token_ids", already checked to be JSON by msgspec), without one
+ *     Python int per token. None for anything else (floats, negatives, too big, not an
+ *     array): the caller decodes those with msgspec, which names what is wrong and where.
  */
+
+static inline const char *
+skip_ws(const char *p, const char *end)
+{
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r'))
+        p++;
+    return p;
+}
+
+/* ------------------------------------------------------------------ the token array */
+
+/* the value of the k (1..8) decimal digits that start the 8 bytes x (first byte lowest), SWAR:
+ * the digits moved to the top (the low bytes become leading zeros), then pairs, quads, eights */
+static inline uint64_t
+swar_digits(uint64_t x, int k)
+{
+    uint64_t v = (x - 0x3030303030303030ULL) << (8 * (8 - k));
+    v = v * 10 + (v >> 8);
+    return (((v & 0x000000FF000000FFULL) * (100 + (1000000ULL << 32))) +
+            (((v >> 16) & 0x000000FF000000FFULL) * (1 + (10000ULL << 32)))) >> 32;
+}
+
+/* a byte's top bit set: not an ASCII digit (below '0', or above '9' once 0x46 is added) */
+#define NONDIGIT8(x) ((((x) - 0x3030303030303030ULL) | ((x) + 0x4646464646464646ULL)) & 0x8080808080808080ULL)
+
+/* The ints of a JSON array of ints in [0, 2**32) into out (room for (stop - p) / 2 + 1),
+ * their count in *n. p: just after the '['; stop: the text's last byte, which is not a digit,
+ * a comma or a blank (the ']' or '}' that closes the text): every scan ends at it, so none
+ * reads a bound. The byte after the ']', or NULL for anything else (a float, a sign, a
+ * leading zero, more than 10 digits or 2**32 and over, a missing or extra comma...).
+ *
+ * The common shape, 1 to 7 digits and a ',' with at most one ' ' after it, is read 8 bytes
+ * at a time (one load, the digit count from the first non-digit, the value SWAR, the comma
+ * found in the same 8 bytes); anything else (a blank before a comma, a newline, the ']', a
+ * long or malformed number, a 0) takes the byte loop for that one number and its separator. */
+static const char *
+json_uint_array(const char *p, const char *stop, uint32_t *out, size_t *n)
+{
+    size_t k = 0;
+    p = skip_ws(p, stop);
+    if (*p == ']') {
+        *n = 0;
+        return p + 1;
+    }
+    for (;;) {
+        for (const char *lim = stop - 8; p <= lim;) { /* p..p+8 readable: a number, its comma, one more */
+            uint64_t x;
+            memcpy(&x, p, 8);
+            /* a first byte '1'..'9': a number without a leading zero (a '0' takes the byte loop) */
+            if ((uint64_t)((x & 0xFF) - '1') > 8)
+                break;
+            uint64_t m = NONDIGIT8(x);
+            if (m == 0)
+                break; /* 8 digits or more */
+            int d = __builtin_ctzll(m) >> 3;
+            if (((x >> (8 * d)) & 0xFF) != ',')
+                break;
+            out[k++] = (uint32_t)swar_digits(x, d);
+            p += d + 1;
+            p += *p == ' ';
+        }
+        p = skip_ws(p, stop);
+        const char *d0 = p;
+        uint64_t v = 0;
+        unsigned c;
+        while ((c = (unsigned)(unsigned char)*p - '0') <= 9 && p - d0 < 11) {
+            v = v * 10 + c;
+            p++;
+        }
+        if (p == d0 || p - d0 > 10 || v >> 32 || (*d0 == '0' && p - d0 > 1) || *p == '.' || *p == 'e' || *p == 'E')
+            return NULL;
+        out[k++] = (uint32_t)v;
+        p = skip_ws(p, stop);
+        if (*p == ',') {
+            p++;
+            continue;
+        }
+        if (*p == ']') {
+            *n = k;
+            return p + 1;
+        }
+        return NULL;
+    }
+}
+
+static PyObject *array_type; /* array.array, imported on first use */
+static PyObject *str_cast, *str_I; /* "cast", "I": memoryview.cast's name and format */
+
+/* The ints of the JSON array whose '[' is at p (a new reference): an array('I'), or where
+ * `view` a memoryview of format 'I' over a bytes object (no copy: the fast route's, whose
+ * consumers read it as a buffer); Py_None (a new reference) when the text is anything else;
+ * NULL with an exception (no memory). stop: as json_uint_array's; *after: the byte after
+ * the ']'. The ints are read straight into a bytes object sized for the most the text can
+ * hold (each int takes >= 2 bytes with its separator), then cut to what it held. */
+static PyObject *
+uint_array_of(const char *p, const char *stop, const char **after, int view)
+{
+    if (array_type == NULL) {
+        PyObject *mod = PyImport_ImportModule("array");
+        if (mod == NULL)
+            return NULL;
+        array_type = PyObject_GetAttrString(mod, "array");
+        Py_DECREF(mod);
+        str_cast = PyUnicode_InternFromString("cast");
+        str_I = PyUnicode_InternFromString("I");
+        if (array_type == NULL || str_cast == NULL || str_I == NULL) {
+            Py_CLEAR(array_type);
+            return NULL;
+        }
+    }
+    PyObject *bytes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(((size_t)(stop - p) / 2 + 1) * sizeof(uint32_t)));
+    if (bytes == NULL)
+        return NULL;
+    size_t n;
+    *after = json_uint_array(p + 1, stop, (uint32_t *)PyBytes_AS_STRING(bytes), &n);
+    if (*after == NULL) {
+        Py_DECREF(bytes);
+        return Py_NewRef(Py_None);
+    }
+    if (_PyBytes_Resize(&bytes, (Py_ssize_t)(n * sizeof(uint32_t))) < 0)
+        return NULL;
+    PyObject *res;
+    if (view) {
+        PyObject *mv = PyMemoryView_FromObject(bytes);
+        PyObject *args[2] = {mv, str_I};
+        res = mv == NULL ? NULL : PyObject_VectorcallMethod(str_cast, args, 2, NULL);
+        Py_XDECREF(mv);
+    } else {
+        res = PyObject_CallFunctionObjArgs(array_type, str_I, bytes, NULL);
+    }
+    Py_DECREF(bytes);
+    return res;
+}
+
+/* ------------------------------------------------------------------ json_tokens */
+
+static PyObject *
+py_json_tokens(PyObject *self, PyObject *raw)
+{
+    Py_buffer b;
+    if (PyObject_GetBuffer(raw, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const char *p = b.buf, *end = p + b.len, *after = NULL;
+    PyObject *res;
+    p = skip_ws(p, end);
+    while (end > p && (end[-1] == ' ' || end[-1] == '\t' || end[-1] == '\n' || end[-1] == '\r'))
+        end--;
+    /* '[' ... ']' with the ']' last: the parser's scans stop at it */
+    if (end - p < 2 || *p != '[' || end[-1] != ']')
+        res = Py_NewRef(Py_None);
+    else if ((res = uint_array_of(p, end - 1, &after, 0)) != NULL && res != Py_None && after != end) {
+        Py_SETREF(res, Py_NewRef(Py_None)); /* a ']' before the last one */
+    }
+    PyBuffer_Release(&b);
+    return res;
+}
 
 /* ------------------------------------------------------------------ json_request */
 
@@ -28,29 +193,6 @@ jr_string_end(const char *p, const char *end)
     return NULL;
 }
 
-/* the value of the 1 to 7 digits at p (8 readable bytes), SWAR: their count, or 0 when the
- * eight bytes start with no digit or are all digits (the byte loop takes those) */
-static inline int
-jr_digits8(const char *p, uint64_t *out)
-{
-    uint64_t x;
-    memcpy(&x, p, 8);
-    /* a byte's top bit set in m: not an ASCII digit (below '0', or above '9' once 0x46 is added) */
-    uint64_t m = ((x - 0x3030303030303030ULL) | (x + 0x4646464646464646ULL)) & 0x8080808080808080ULL;
-    if (m == 0)
-        return 0;
-    int n = __builtin_ctzll(m) >> 3;
-    if (n == 0)
-        return 0;
-    /* the n digits, first in the lowest byte, moved to the top: the low bytes become leading zeros */
-    uint64_t v = (x - 0x3030303030303030ULL) << (8 * (8 - n));
-    v = v * 10 + (v >> 8);
-    v = (((v & 0x000000FF000000FFULL) * (100 + (1000000ULL << 32))) +
-         (((v >> 16) & 0x000000FF000000FFULL) * (1 + (10000ULL << 32)))) >> 32;
-    *out = v;
-    return n;
-}
-
 static PyObject *
 py_json_request(PyObject *self, PyObject *body)
 {
@@ -60,9 +202,7 @@ py_json_request(PyObject *self, PyObject *body)
     const char *p = b.buf, *end = p + b.len;
     PyObject *vals[2] = {NULL, NULL}; /* model, lora_name */
     int seen[3] = {0, 0, 0};
-    uint32_t *out = NULL;
-    size_t n = 0;
-    PyObject *res = NULL;
+    PyObject *res = NULL, *arr = NULL;
     p = skip_ws(p, end);
     const char *last = end;
     while (last > p && (last[-1] == ' ' || last[-1] == '\t' || last[-1] == '\n' || last[-1] == '\r'))
@@ -109,51 +249,14 @@ py_json_request(PyObject *self, PyObject *body)
         } else {
             if (*p != '[')
                 goto other;
-            /* each int takes >= 2 chars with its separator */
-            out = PyMem_Malloc(((size_t)(end - p) / 2 + 1) * sizeof(uint32_t));
-            if (out == NULL) {
-                PyErr_NoMemory();
+            /* the body's last non-blank byte is '}' (checked above): the parser stops at it */
+            const char *after;
+            arr = uint_array_of(p, last - 1, &after, 1);
+            if (arr == NULL)
                 goto done;
-            }
-            /* the body's last non-blank byte is '}' (checked above): every loop below stops at
-             * it, so they read no bound */
-            p = skip_ws(p + 1, end);
-            for (;;) {
-                const char *d0 = p;
-                uint64_t v = 0;
-                unsigned c;
-                int k = last - p >= 8 ? jr_digits8(p, &v) : 0;
-                if (k) {
-                    p += k;
-                } else {
-                    while ((c = (unsigned)(unsigned char)*p - '0') <= 9) {
-                        v = v * 10 + c;
-                        p++;
-                    }
-                }
-                if (p == d0 || p - d0 > 10 || v >> 32 || (*d0 == '0' && p - d0 > 1) ||
-                    *p == '.' || *p == 'e' || *p == 'E')
-                    goto other;
-                out[n++] = (uint32_t)v;
-                if (*p == ',') {
-                    p++;
-                    if (*p == ' ')
-                        p++;
-                    else
-                        p = skip_ws(p, end);
-                    continue;
-                }
-                p = skip_ws(p, end);
-                if (*p == ',') {
-                    p = skip_ws(p + 1, end);
-                    continue;
-                }
-                if (*p == ']') {
-                    p++;
-                    break;
-                }
+            if (arr == Py_None)
                 goto other;
-            }
+            p = after;
         }
         p = skip_ws(p, end);
         if (p < end && *p == ',') {
@@ -166,19 +269,16 @@ py_json_request(PyObject *self, PyObject *body)
         }
         goto other;
     }
-    if (p != end || !seen[2] || n == 0)
+    if (p != end || !seen[2] || PyObject_Length(arr) == 0)
         goto other;
-    PyObject *arr = uint_array(out, n);
-    if (arr == NULL)
-        goto done;
-    res = Py_BuildValue("(OON)", vals[0] ? vals[0] : Py_None, vals[1] ? vals[1] : Py_None, arr);
+    res = PyTuple_Pack(3, vals[0] ? vals[0] : Py_None, vals[1] ? vals[1] : Py_None, arr);
     goto done;
 other:
     res = Py_NewRef(Py_None);
 done:
     Py_XDECREF(vals[0]);
     Py_XDECREF(vals[1]);
-    PyMem_Free(out);
+    Py_XDECREF(arr);
     PyBuffer_Release(&b);
     return res;
 }

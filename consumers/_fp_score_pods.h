@@ -1,10 +1,5 @@
-/* _fp_score_pods.h: the API-facing end of scoring in C (included by _fp_score.h).
- *
- * json_tokens(raw) -> array('I') | None
- *     The token ids of a JSON array of non-negative ints below 2**32 (the text msgspec.Raw
- *     keeps of a request's "token_ids", already checked to be JSON by msgspec), without one
- *     Python int per token. None for anything else (floats, negatives, too big, not an
- *     array): the caller decodes those with msgspec, which names what is wrong and where.
+/* _fp_score_pods.h: the API-facing end of scoring in C (included by _fp_score.h; the JSON
+ * readers are _fp_score_json.h, the JSON answer _fp_score_answer.h).
  *
  * score_pods(table, tokens, parent, block_size, plan, load) -> (out, top)
  *     Scorer.score's answer for the native index in one call: the walk of _fp_score.h, then
@@ -12,104 +7,10 @@
  *     and the pick (THE tie-break of consumers.score.better), with the same float arithmetic
  *     in the same order as the Python loop (so the same totals, bit for bit).
  *     plan: (lanes, start, rows, names, weights, float(load_weight), float(-load_weight),
- *     score_type, block_size) built by
+ *     score_type, block_size, then score_json's JSON fragments) built by
  *     the Scorer once per endpoint plan; rows: (slot, pod, rank, state, factor, pod_index) of
  *     every endpoint taking part; load: None or a dict pod -> number.
  */
-
-static PyObject *array_type; /* array.array, imported on first use */
-
-/* array('I') of out[0..n) (new reference), or NULL with an exception set */
-static PyObject *
-uint_array(const uint32_t *out, size_t n)
-{
-    if (array_type == NULL) {
-        PyObject *mod = PyImport_ImportModule("array");
-        if (mod == NULL)
-            return NULL;
-        array_type = PyObject_GetAttrString(mod, "array");
-        Py_DECREF(mod);
-        if (array_type == NULL)
-            return NULL;
-    }
-    PyObject *bytes = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)(n * sizeof(uint32_t)));
-    if (bytes == NULL)
-        return NULL;
-    PyObject *arr = PyObject_CallFunction(array_type, "sO", "I", bytes);
-    Py_DECREF(bytes);
-    return arr;
-}
-
-/* ------------------------------------------------------------------ json_tokens */
-
-static inline const char *
-skip_ws(const char *p, const char *end)
-{
-    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r'))
-        p++;
-    return p;
-}
-
-static PyObject *
-py_json_tokens(PyObject *self, PyObject *raw)
-{
-    Py_buffer b;
-    if (PyObject_GetBuffer(raw, &b, PyBUF_SIMPLE) < 0)
-        return NULL;
-    const char *p = b.buf, *end = p + b.len;
-    PyObject *res = NULL;
-    uint32_t *out = NULL;
-    size_t n = 0;
-    p = skip_ws(p, end);
-    while (end > p && (end[-1] == ' ' || end[-1] == '\t' || end[-1] == '\n' || end[-1] == '\r'))
-        end--;
-    /* '[' ... ']' with the ']' last: the digit loops below stop at it without a bound check */
-    if (end - p < 2 || *p != '[' || end[-1] != ']')
-        goto other;
-    out = PyMem_Malloc(((size_t)(end - p) / 2 + 1) * sizeof(uint32_t)); /* each int takes >= 2 chars */
-    if (out == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    p = skip_ws(p + 1, end);
-    if (*p != ']') {
-        for (;;) {
-            const char *d0 = p;
-            uint64_t v = 0;
-            unsigned c;
-            while ((c = (unsigned)(unsigned char)*p - '0') <= 9) {
-                v = v * 10 + c;
-                p++;
-            }
-            if (p == d0 || p - d0 > 10 || v >> 32 || *p == '.' || *p == 'e' || *p == 'E')
-                goto other; /* not a digit ('-', a string, null...), too big, a float */
-            out[n++] = (uint32_t)v;
-            if (*p != ',' && *p != ']')
-                p = skip_ws(p, end);
-            if (*p == ',') {
-                p++;
-                if (*p == ' ')
-                    p++;
-                else
-                    p = skip_ws(p, end);
-                continue;
-            }
-            if (*p == ']')
-                break;
-            goto other;
-        }
-    }
-    if (p != end - 1)
-        goto other;
-    res = uint_array(out, n);
-    goto done;
-other:
-    res = Py_NewRef(Py_None);
-done:
-    PyMem_Free(out);
-    PyBuffer_Release(&b);
-    return res;
-}
 
 /* ------------------------------------------------------------------ the plan, shared */
 

@@ -24,6 +24,15 @@ _score_json = getattr(_FAST, "score_json", None)
 _DIRECT = (list, tuple, array)
 
 
+def _toks(tokens: object):
+    """tokens as the C calls take them: a list, tuple, array or memoryview('I') (what
+    consumers.keys.json_request reads a body into) as it is, anything else as a list."""
+    t = type(tokens)
+    if t in _DIRECT or (t is memoryview and tokens.format == "I"):  # type: ignore[attr-defined]
+        return tokens
+    return as_token_list(tokens)
+
+
 _enc = msgspec.json.encode
 
 
@@ -77,7 +86,7 @@ class Scorer:
         return cplan
 
     def _walk(self, tokens: object, lora_name: str | None, model: str | None):
-        toks = tokens if type(tokens) in _DIRECT else as_token_list(tokens)
+        toks = _toks(tokens)
         model = self.eps.model_for_query(model)
         seed = model_seed(model, lora_name)
         stages, lanes, start, eps = self.eps.plan(model)
@@ -87,7 +96,7 @@ class Scorer:
             n_keys, segments, ends = _score_walk(table, toks, seed, self._bs, lanes, start)
             index.matched_natively(n_keys)
             return toks, n_keys, stages, segments, ends, model, eps
-        if type(toks) is array:
+        if type(toks) is array or type(toks) is memoryview:
             toks = toks.tolist()
         keys = chain_keys(toks, seed, self._bs)
         segments, ends = index.match(keys, lanes, start)
@@ -97,7 +106,7 @@ class Scorer:
               load: Mapping[str, float] | None = None) -> dict[str, Score]:
         """Pod -> :class:`Score` for every pod of ``model`` not excluded by its state."""
         if _score_pods is not None and (load is None or type(load) is dict):
-            toks = tokens if type(tokens) in _DIRECT else as_token_list(tokens)
+            toks = _toks(tokens)
             model = self.eps.model_for_query(model)
             plan = self.eps.plan(model)
             table = self._table(plan[1])
@@ -153,7 +162,7 @@ class Scorer:
         not know): the caller then takes :meth:`score` and encodes its Scores."""
         if _score_json is None:
             return None
-        toks = tokens if type(tokens) in _DIRECT else as_token_list(tokens)
+        toks = _toks(tokens)
         model = self.eps.model_for_query(model)
         plan = self.eps.plan(model)
         table = self._table(plan[1])
