@@ -34,7 +34,7 @@ needs_c = pytest.mark.skipif(_FAST is None or not hasattr(_FAST, "score_json"), 
 # builds a fleet (not started: events applied to its router directly) and answers bodies with
 # Api.fast_answer; run here and in a KVEVENTS_PURE_PYTHON=1 child on the same input
 _CHILD = r'''
-import asyncio, json, sys
+import asyncio, json, shutil, sys, tempfile
 from kvevents import BlockRemoved, BlockStored, KVEventBatch
 from kvservice.api import Api
 from kvservice.config import from_dict
@@ -42,11 +42,18 @@ from kvservice.ingest import Fleet
 from kvservice.schema import ScoreRequest, decode, token_ids_of
 
 def answers(spec):
+    d = tempfile.mkdtemp(prefix="kv-edges-")  # the fleet's subscriber connects; nothing publishes
     cfg = from_dict({"router": {"model": "m", "block_size": spec["bs"], "tier_weights": spec["weights"]},
                      "api": {"port": 0},
-                     "pods": [{"name": n, "endpoint": f"ipc:///tmp/kv-edges-{i}.pub"}
-                              for i, n in enumerate(spec["pods"])]}).validate()
-    fleet = Fleet(cfg)
+                     "pods": [{"name": n, "endpoint": f"ipc://{d}/p{i}.pub"} for i, n in enumerate(spec["pods"])]})
+    fleet = Fleet(cfg.validate())
+    try:
+        return _answers(spec, fleet)
+    finally:
+        fleet.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+def _answers(spec, fleet):
     r = fleet.router
     for pod, kind, hashes, toks in spec["events"]:
         ev = (BlockStored(hashes, None, toks, spec["bs"], None, "GPU", None) if kind == "gpu" else
