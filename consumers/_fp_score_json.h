@@ -44,16 +44,105 @@ swar_digits(uint64_t x, int k)
 /* a byte's top bit set: not an ASCII digit (below '0', or above '9' once 0x46 is added) */
 #define NONDIGIT8(x) ((((x) - 0x3030303030303030ULL) | ((x) + 0x4646464646464646ULL)) & 0x8080808080808080ULL)
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define JW_SIMD 1
+#define JW_WINDOW 64 /* bytes classified at once; numbers are read up to 16 bytes past the last start */
+
+/* per digit count d (0..8): the pshufb control that moves a number's d digits, at offset 0 of
+ * a register, to the top of an 8-byte lane (bytes 8 - d .. 7), the lane's other bytes zeroed
+ * (0x80: bit 7 set, which stays set with an offset of up to 15 added) */
+static const uint64_t jw_ctl[9] = {
+    0x8080808080808080ULL, 0x0080808080808080ULL, 0x0100808080808080ULL, 0x0201008080808080ULL,
+    0x0302010080808080ULL, 0x0403020100808080ULL, 0x0504030201008080ULL, 0x0605040302010080ULL,
+    0x0706050403020100ULL};
+static int jw_ssse3 = -1; /* the CPU has SSSE3 (pshufb, pmaddubsw): checked on first use */
+
+/* Up to 8 ints ahead of p in one 64-byte window of the common shape: numbers of 1 to 8
+ * digits, each followed by "," or ", " (the shape json.dumps and most clients write). p: the
+ * first digit of a number; p + 80 readable. The window's digits, commas, blanks and zeros are
+ * four bitmasks (16 bytes at a time) and its shape is checked on them at once: every non-digit
+ * byte before the window's last number start is a comma right after a digit, or one blank
+ * between such a comma and a digit. Then two numbers at a time are moved into the two 8-byte
+ * lanes of a register (pshufb) and both converted at once (multiply-adds of 10, 100, 10000).
+ * Returns the start of the window's last number (the next window's p) with *cnt ints
+ * written, or NULL: another shape, a leading zero or a long number, which the byte loop
+ * decides. */
+__attribute__((target("ssse3"))) static const char *
+window_ints(const char *p, uint32_t *out, size_t *cnt)
+{
+    uint64_t D = 0, C = 0, S = 0, Z = 0;
+    const __m128i zero = _mm_set1_epi8('0'), nine = _mm_set1_epi8(9), comma = _mm_set1_epi8(','),
+                  blank = _mm_set1_epi8(' ');
+    for (int i = 0; i < 4; i++) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(p + 16 * i));
+        __m128i t = _mm_sub_epi8(v, zero);
+        D |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_min_epu8(t, nine), t)) << (16 * i);
+        C |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(v, comma)) << (16 * i);
+        S |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(v, blank)) << (16 * i);
+        Z |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(v, zero)) << (16 * i);
+    }
+    uint64_t starts = D & ~(D << 1), ends = D & ~(D >> 1); /* first and last digit of each run */
+    if (!(starts & 1) || starts == 1)
+        return NULL; /* not at a number, or one number filling the window */
+    /* the last run may go on past the window: it is the next window's first number */
+    int last = 63 - __builtin_clzll(starts);
+    uint64_t below = ((uint64_t)1 << last) - 1;
+    uint64_t cok = C & (ends << 1);                /* a comma right after a number */
+    uint64_t sok = S & (cok << 1) & (starts >> 1); /* one blank between that comma and a number */
+    if ((~D & below) != ((cok | sok) & below) || (starts & Z & (D >> 1) & below))
+        return NULL; /* another shape, or a leading zero (not JSON: the byte loop refuses it) */
+    starts &= below;
+    const __m128i dec = _mm_set_epi8(1, 10, 1, 10, 1, 10, 1, 10, 1, 10, 1, 10, 1, 10, 1, 10);
+    const __m128i hun = _mm_set_epi16(1, 100, 1, 100, 1, 100, 1, 100);
+    const __m128i tth = _mm_set_epi16(1, 10000, 1, 10000, 1, 10000, 1, 10000);
+    size_t n = 0;
+    while (starts) {
+        int s0 = __builtin_ctzll(starts), d0 = __builtin_ctzll(ends) - s0 + 1;
+        starts &= starts - 1;
+        ends &= ends - 1;
+        if (d0 > 8)
+            return NULL;
+        if (starts) {
+            int s1 = __builtin_ctzll(starts), e1 = __builtin_ctzll(ends), d1 = e1 - s1 + 1;
+            if (d1 <= 8 && e1 - s0 < 16) { /* both in the 16 bytes at s0 */
+                __m128i v = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)(p + s0)), zero);
+                __m128i ctl = _mm_set_epi64x((long long)(jw_ctl[d1] + (uint64_t)(s1 - s0) * 0x0101010101010101ULL),
+                                             (long long)jw_ctl[d0]);
+                __m128i dg = _mm_shuffle_epi8(v, ctl);       /* each number's digits, top-aligned */
+                __m128i t = _mm_maddubs_epi16(dg, dec);      /* 2-digit groups */
+                t = _mm_madd_epi16(t, hun);                  /* 4-digit groups */
+                t = _mm_packs_epi32(t, t);                   /* (<= 9,999: fit 16 bits) */
+                t = _mm_madd_epi16(t, tth);                  /* the two numbers */
+                _mm_storel_epi64((__m128i *)(out + n), t);
+                n += 2;
+                starts &= starts - 1;
+                ends &= ends - 1;
+                continue;
+            }
+        }
+        uint64_t x;
+        memcpy(&x, p + s0, 8);
+        out[n++] = (uint32_t)swar_digits(x, d0);
+    }
+    *cnt = n;
+    return p + last;
+}
+#endif
+
 /* The ints of a JSON array of ints in [0, 2**32) into out (room for (stop - p) / 2 + 1),
  * their count in *n. p: just after the '['; stop: the text's last byte, which is not a digit,
  * a comma or a blank (the ']' or '}' that closes the text): every scan ends at it, so none
  * reads a bound. The byte after the ']', or NULL for anything else (a float, a sign, a
  * leading zero, more than 10 digits or 2**32 and over, a missing or extra comma...).
  *
- * The common shape, 1 to 7 digits and a ',' with at most one ' ' after it, is read 8 bytes
- * at a time (one load, the digit count from the first non-digit, the value SWAR, the comma
- * found in the same 8 bytes); anything else (a blank before a comma, a newline, the ']', a
- * long or malformed number, a 0) takes the byte loop for that one number and its separator. */
+ * The common shape is read a 64-byte window at a time where the CPU has SSSE3 (window_ints:
+ * the numbers' places come from bitmasks, not from the number before, so no chain of loads
+ * runs through the text), else 8 bytes per number: 1 to 7 digits and a ',' with at most one
+ * ' ' after it (one load, the digit count from the first non-digit, the value SWAR, the comma
+ * and the blank found in the same 8 bytes). Anything else (a blank before a comma, a newline,
+ * the ']', a long or malformed number, a 0) takes the byte loop for that one number and its
+ * separator; a window that is not of the common shape hands over 8 numbers to the 8-byte loop. */
 static const char *
 json_uint_array(const char *p, const char *stop, uint32_t *out, size_t *n)
 {
@@ -63,7 +152,27 @@ json_uint_array(const char *p, const char *stop, uint32_t *out, size_t *n)
         *n = 0;
         return p + 1;
     }
+#ifdef JW_SIMD
+    if (jw_ssse3 < 0) {
+        __builtin_cpu_init();
+        jw_ssse3 = __builtin_cpu_supports("ssse3") ? 1 : 0;
+    }
+#endif
     for (;;) {
+#ifdef JW_SIMD
+        if (jw_ssse3) {
+            for (const char *lim = stop - (JW_WINDOW + 16); p <= lim;) {
+                size_t cnt;
+                const char *q = window_ints(p, out + k, &cnt);
+                if (q == NULL)
+                    break;
+                k += cnt;
+                p = q;
+            }
+        }
+#endif
+        int run = 0;
+        (void)run;
         for (const char *lim = stop - 8; p <= lim;) { /* p..p+8 readable: a number, its comma, one more */
             uint64_t x;
             memcpy(&x, p, 8);
@@ -77,8 +186,13 @@ json_uint_array(const char *p, const char *stop, uint32_t *out, size_t *n)
             if (((x >> (8 * d)) & 0xFF) != ',')
                 break;
             out[k++] = (uint32_t)swar_digits(x, d);
-            p += d + 1;
-            p += *p == ' ';
+            /* the blank after the comma taken from x where x has it: no load on the chain from
+             * one number to the next */
+            p += d + 1 + (d < 7 ? ((x >> (8 * d + 8)) & 0xFF) == ' ' : p[d + 1] == ' ');
+#ifdef JW_SIMD
+            if (jw_ssse3 && ++run == 8)
+                break; /* back to the windows */
+#endif
         }
         p = skip_ws(p, stop);
         const char *d0 = p;
