@@ -64,7 +64,7 @@ def payloads(n: int, events: int, start: int = 0, ts: float | None = None) -> li
 # ---- helpers: a nats-server, an engine process, a bridge process ------------------------------
 
 class Server:
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
         if not os.path.exists(exe):
             sys.exit("benchmarks/fleet.py needs nats-server (apt-get install nats-server)")
@@ -73,8 +73,10 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"nats://127.0.0.1:{self.port}"
+        self.env = dict(env or {})  #: extra environment of the server process (Go runtime settings)
         self.proc = subprocess.Popen([exe, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.tmp / "js")],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, **self.env} if self.env else None)
         end = time.monotonic() + 15
         while time.monotonic() < end:
             try:
@@ -174,6 +176,20 @@ def _cpu_s(pid: int | None = None) -> float:
 def _cpu_all(procs: dict[str, int | None]) -> dict[str, float]:
     return {name: _cpu_s(pid) for name, pid in procs.items()}
 
+
+def _machine() -> tuple[float, float]:
+    """(busy, idle) CPU seconds of the whole machine so far, all cores (/proc/stat)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = f[3] + f[4]
+    return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK"), idle / os.sysconf("SC_CLK_TCK")
+
+
+def _minflt(pid: int) -> int:
+    """Minor page faults of process ``pid`` so far (a fault on fresh anonymous memory zeroes a page,
+    or a 2 MB huge page: most of nats-server's file-storage CPU when its Go heap is not warm)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
 def run_direct(n: int, events: int, rate: float, tmp: Path) -> tuple[float, list[float]]:
     from consumers import KVRouter
     from kvevents import Subscriber, peek_ts
@@ -189,11 +205,13 @@ def run_direct(n: int, events: int, rate: float, tmp: Path) -> tuple[float, list
         p.stdin.flush()
         got = 0
         end = time.monotonic() + 120
+        apply = router.apply_payload
         while got < n and time.monotonic() < end:
             for d in sub.poll(50):
                 if d.payload is not None:
-                    router.apply_payload("engine-0", d.payload)
-                    lags.append(time.time() - peek_ts(d.payload))
+                    apply("engine-0", d.payload)
+                    if rate:  # the lag runs; a rate run's router does the router's work only
+                        lags.append(time.time() - peek_ts(d.payload))
                     got += 1
         t_end = time.time()
         cpu1 = _cpu_all(procs)
@@ -220,19 +238,26 @@ def run_plane(n: int, events: int, rate: float, tmp: Path, srv: Server, pack: in
     procs = {"engine": p.pid, "bridge": br.pid, "nats-server": srv.proc.pid, "router (source + apply)": None}
     with JetStreamSource(srv.url, durable="bench", stream=StreamSpec(storage=storage)) as src:
         cpu0 = _cpu_all(procs)
+        flt0 = _minflt(srv.proc.pid)
+        m0 = _machine()
         p.stdin.write("go\n")
         p.stdin.flush()
         got = 0
         end = time.monotonic() + 180
+        apply = router.apply_payload
         while got < n and time.monotonic() < end:
             for d in src.poll(50):
                 if d.payload is not None:
-                    router.apply_payload("engine-0", d.payload)
-                    lags.append(time.time() - peek_ts(d.payload))
+                    apply("engine-0", d.payload)
+                    if rate:  # the lag runs; a rate run's router does the router's work only
+                        lags.append(time.time() - peek_ts(d.payload))
                     got += 1
         t_end = time.time()
         cpu1 = _cpu_all(procs)
         stats = src.stats()
+        stats["server_faults"] = _minflt(srv.proc.pid) - flt0
+        m1 = _machine()
+        stats["machine"] = (m1[0] - m0[0], m1[1] - m0[1])  #: (busy, idle) CPU seconds, all processes
     stats["cpu"] = {k: cpu1[k] - cpu0[k] for k in procs}
     t0 = float(p.stdout.readline().split()[1])
     p.stdin.write("bye\n")
@@ -369,8 +394,14 @@ def main() -> None:
     ap.add_argument("--pack", type=int, default=PACK, help="batches per stream message in the packed plane runs")
     ap.add_argument("--batches", type=int, default=None, help="batches per run in section 1")
     ap.add_argument("--no-pack1", action="store_true", help="section 1 without the unpacked plane runs")
+    ap.add_argument("--no-warmup", action="store_true", help="section 1 without its untimed warm-up runs")
+    ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="environment of the nats-server process, e.g. GODEBUG=madvdontneed=0 (repeatable)")
     args = ap.parse_args()
-    srv = Server()
+    env = dict(kv.split("=", 1) for kv in args.server_env)
+    srv = Server(env)
+    if env:
+        print("nats-server environment: " + " ".join(f"{k}={v}" for k, v in env.items()) + "\n")
     tmp = Path(tempfile.mkdtemp(prefix="kvfleet-ipc-"))
     try:
         # 40,000 batches: the engine's replay ring fills in the first ~10,000 (fresh pages per batch), so
@@ -380,6 +411,16 @@ def main() -> None:
         k = args.pack
         rows = []
         cpu_rows: dict[int, dict[str, float]] = {}
+        faults: dict[tuple[int, str], float] = {}
+        others: dict[tuple[int, str], str] = {}
+        warm = not args.no_warmup and not args.only_lag and args.events
+        if warm:
+            # "sustains": a long-running server. A fresh nats-server's Go heap grows through its
+            # first run (each fresh page faulted in and zeroed by the kernel: 45-85 faults per 1,000
+            # events in a first file-storage run, 0-20 after), so the measured rounds come after
+            # one untimed run per storage kind
+            for storage in ("file", "memory"):
+                run_plane(min(n, 20000), args.events[0], 0, tmp, srv, k, storage)
         for events in ([] if args.only_lag else args.events):
             d_rates = []
             p_rates: dict[tuple[int, str], list[float]] = {(1, "file"): [], (k, "file"): [], (k, "memory"): []}
@@ -393,18 +434,28 @@ def main() -> None:
                     p_rates[pack, storage].append(rate)
                     if pack == k:
                         cpu_rows[events, storage] = stats["cpu"]
+                        faults[events, storage] = stats["server_faults"] * 1000 / (n * events)
+                        ours = sum(stats["cpu"].values())
+                        busy, idle = stats["machine"]
+                        others[events, storage] = f"{ours / (busy + idle) * 2:.2f} / {max(0.0, busy - ours) / (busy + idle) * 2:.2f} / {idle / (busy + idle) * 2:.2f}"
             d = statistics.median(d_rates)
             med = {c: statistics.median(v) for c, v in p_rates.items()}
             best = max(med.values())
             cols = ((1, "file"), (k, "file"), (k, "memory"))
+            fmed = med[k, "file"]
             rows.append([events, n, f"{d:,.0f}", *(f"{med[c]:,.0f}" if c in med else "-" for c in cols),
-                         f"{best / d:.2f}", f"{TARGET_RATE:,}", "met" if best >= TARGET_RATE else "missed"])
+                         f"{best / d:.2f}", f"{TARGET_RATE:,}", "met" if fmed >= TARGET_RATE else "missed",
+                         "met" if best >= TARGET_RATE else "missed",
+                         " ".join(f"{v / 1000:.0f}k" for v in p_rates[k, "file"])])
         if rows:
-            print_table("1. engine -> router, events/s (median of interleaved rounds; plane = engine -> ZeroMQ -> bridge "
+            print_table("1. engine -> router, events/s (median of interleaved rounds" + (
+                        ", after an untimed warm-up run per storage kind" if warm else "") +
+                        "; plane = engine -> ZeroMQ -> bridge "
                         "process -> JetStream -> JetStreamSource -> KVRouter; direct ZeroMQ = engine -> Subscriber -> "
-                        "KVRouter, the limit on this machine)",
+                        "KVRouter, the limit on this machine; the target is for file storage, the durable default)",
                         ["events/batch", "batches", "direct ZeroMQ", "plane pack=1", f"plane pack={k}",
-                         f"pack={k} memory storage", "best/direct", "target", "best vs target"], rows)
+                         f"pack={k} memory storage", "best/direct", "target", f"pack={k} file vs target",
+                         "best vs target", f"pack={k} file, each round"], rows)
             print()
             names = next(v for k, v in cpu_rows.items() if k[1] != "direct ZeroMQ")
             crow = []
@@ -415,12 +466,15 @@ def main() -> None:
                     per = [cpu["engine"], None, None, cpu["router (subscriber + apply)"]]
                 else:
                     per = [cpu[c] for c in names]
+                flt = faults.get((events, storage))
                 crow.append([events, storage, *("-" if v is None else f"{v * 1e6 / (n * events):.2f}" for v in per),
-                             f"{total * 1e6 / (n * events):.2f}", f"{2 * n * events / total:,.0f}"])
+                             f"{total * 1e6 / (n * events):.2f}", f"{2 * n * events / total:,.0f}",
+                             "-" if flt is None else f"{flt:.1f}", others.get((events, storage), "-")])
             print_table(f"1c. where the time goes: CPU microseconds per event, per process (plane pack={k}, last round; "
                         "the machine has 2 cores, so 2 / total is the most the whole path could do here; the direct "
                         "ZeroMQ row: the same engine read by a router without the plane, same round)",
-                        ["events/batch", "storage", *names, "total", "2 cores / total, ev/s"], crow)
+                        ["events/batch", "storage", *names, "total", "2 cores / total, ev/s",
+                         "nats-server page faults / 1k events", "cores: path / rest of machine / idle"], crow)
             print()
         if args.only_rate:
             return
