@@ -9,7 +9,8 @@
  *     writes. model_json: the model as a JSON string (bytes, msgspec's). What only the plan
  *     decides comes written from it (consumers.scorer._json_plan: per row the pod's JSON
  *     string and its Score's text before the total and after matched_tokens, per stage the
- *     tier's "name":, the pods in name order); this call writes the numbers between them.
+ *     tier's "name":, the pods in name order, the rows' slot, pod index and factor packed);
+ *     this call writes the numbers between them.
  *     top_tiers: the pick's tokens_by_tier as a dict (for the router's counters), or None
  *     without a pick. None when the plan has no fragments (a pod, state, rank or factor of a
  *     type the plan does not write): the caller then takes score_pods + msgspec.
@@ -91,6 +92,13 @@ jw_double(char *q, double v)
 
 /* ------------------------------------------------------------------ score_json */
 
+/* a plan row as score_json reads it: consumers.scorer._json_plan packs (slot, pod index,
+ * factor) with struct format "=iid" (native order, no padding: this layout) */
+typedef struct {
+    int32_t slot, pi;
+    double factor;
+} PackedRow;
+
 typedef struct {
     PyObject *frag;  /* (pod's JSON string, text before total, text after matched_tokens): borrowed */
     uint32_t byname; /* the pod's place in name order */
@@ -148,7 +156,7 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     PyObject *plan = args[4];
     PyObject *frags = PyTuple_GET_ITEM(plan, 9), *tier_frags = PyTuple_GET_ITEM(plan, 10),
-             *byname = PyTuple_GET_ITEM(plan, 11);
+             *byname = PyTuple_GET_ITEM(plan, 11), *rows_packed = PyTuple_GET_ITEM(plan, 12);
     Py_ssize_t nrows = p.nrows;
     PodAns stack_ans[ANS_STACK], *ans = stack_ans;
     PodAns *stack_best[ANS_STACK], **best = stack_best; /* per pod index: its best rank's answer */
@@ -158,7 +166,8 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         result = Py_NewRef(Py_None);
         goto done;
     }
-    if (!PyTuple_Check(frags) || PyTuple_GET_SIZE(frags) != nrows || !PyTuple_Check(tier_frags) ||
+    if (!PyTuple_Check(frags) || PyTuple_GET_SIZE(frags) != nrows || !PyBytes_Check(rows_packed) ||
+        PyBytes_GET_SIZE(rows_packed) != nrows * (Py_ssize_t)sizeof(PackedRow) || !PyTuple_Check(tier_frags) ||
         PyTuple_GET_SIZE(tier_frags) < (Py_ssize_t)p.w.T || !PyBytes_Check(byname) ||
         PyBytes_GET_SIZE(byname) > nrows * (Py_ssize_t)sizeof(uint32_t) || PyBytes_GET_SIZE(byname) % sizeof(uint32_t)) {
         PyErr_SetString(PyExc_TypeError, "score_json: malformed plan (JSON fragments)");
@@ -179,12 +188,17 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     memset(best, 0, (size_t)nrows * sizeof(PodAns *));
+    const char *packed = PyBytes_AS_STRING(rows_packed);
     for (Py_ssize_t r = 0; r < nrows; r++) {
-        long slot;
-        Py_ssize_t pi;
-        double factor;
-        if (plan_row(&p, r, "score_json", &slot, &pi, &factor) == NULL)
+        PackedRow row;
+        memcpy(&row, packed + r * sizeof(PackedRow), sizeof(PackedRow));
+        if (row.slot < 0 || (uint32_t)row.slot >= p.w.nslots || row.pi < 0 || row.pi >= nrows) {
+            PyErr_SetString(PyExc_ValueError, "score_json: a row's slot or pod index is out of range");
             goto done;
+        }
+        long slot = row.slot;
+        Py_ssize_t pi = row.pi;
+        double factor = row.factor;
         PodAns *a = &ans[r];
         a->frag = PyTuple_GET_ITEM(frags, r);
         if (!PyTuple_Check(a->frag) || PyTuple_GET_SIZE(a->frag) != 3 || !PyBytes_Check(PyTuple_GET_ITEM(a->frag, 0)) ||

@@ -14,7 +14,7 @@
 
 /* ------------------------------------------------------------------ the plan, shared */
 
-#define PLAN_LEN 12 /* score_pods reads the first 9; score_json the JSON fragments too */
+#define PLAN_LEN 13 /* score_pods reads the first 9; score_json the JSON fragments and packed rows too */
 
 /* One call's plan, unpacked, with the walk done: what score_pods and score_json share. */
 typedef struct {

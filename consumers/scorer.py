@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Mapping
 
@@ -40,16 +41,18 @@ def _json_plan(rows: tuple, pods: dict, stages: list) -> tuple:
     """What score_json writes that only the plan decides, as msgspec writes it: per row the
     pod's JSON string (the pick), the Score's text before its total and after its matched
     tokens (load 0.0); per stage its tier's ``"name":``; the pods' indices in name order (the
-    answer's order where totals tie). (None, None, None) where a row holds a type the writer
+    answer's order where totals tie); the rows' (slot, pod index, factor) packed as C reads them.
+    (None, None, None, None) where a row holds a type the writer
     does not take (it then answers None and the caller takes score() + msgspec)."""
     if not all(type(pod) is str and type(rank) is int and type(state) is str and type(factor) is float
                for _slot, pod, rank, state, factor, _pi in rows):
-        return None, None, None
+        return None, None, None, None
     frags = tuple((_enc(pod), b'{"pod":' + _enc(pod) + b',"total":',
                    b',"rank":' + _enc(rank) + b',"state":' + _enc(state) + b',"factor":' + _enc(factor) +
                    b',"load":0.0}') for _slot, pod, rank, state, factor, _pi in rows)
     return (frags, tuple(_enc(name) + b":" for _, name, _ in stages),
-            array("I", [pods[p] for p in sorted(pods)]).tobytes())
+            array("I", [pods[p] for p in sorted(pods)]).tobytes(),
+            b"".join(struct.pack("=iid", slot, pi, factor) for slot, _pod, _rank, _state, factor, pi in rows))
 
 
 class Scorer:
