@@ -15,7 +15,9 @@
   The **floor** (the physical limit of the HTTP stack on this machine) is an empty aiohttp
   handler in a process of its own (``--floor-server``: it reads the same body and answers a
   fixed 13-byte JSON), measured by the same ``wrk`` at the same connection counts, each right
-  after ours (interleaved).
+  after ours (interleaved). The fast path bypasses aiohttp, so a second floor, **raw**
+  (``--raw-floor-server``), is a bare ``asyncio.Protocol`` on uvloop answering the same fixed
+  JSON: the event loop and the sockets alone, the fast path's own floor.
 * **ingest under load**: the feeder queues ``--burst`` batches while the ingest thread is held
   (the fleet lock), then the thread drains them; drained batches per second, without queries
   and with ``wrk`` paced to ~500 requests/s (110 connections, each waiting 200 ms minus our
@@ -116,26 +118,7 @@ def start_feeder(d: Path, pods: list[int], **kw) -> subprocess.Popen:
     return p
 
 
-# ---- the floor: an empty handler -------------------------------------------------------------
-def floor_server() -> None:
-    """aiohttp with one route that reads the body and answers a fixed JSON: no routing logic,
-    no middleware, no metrics. What a request costs this HTTP stack on this machine."""
-    import socket
-
-    from aiohttp import web
-
-    async def handler(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=b'{"pick":null}', content_type="application/json")
-
-    app = web.Application(client_max_size=1 << 20)
-    app.router.add_post("/v1/score", handler)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    print(f"http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    web.run_app(app, sock=sock, print=None, access_log=None, handle_signals=True)
-
-
+# ---- the floors (an empty aiohttp handler; an empty uvloop protocol): benchmarks/service_floors.py
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (/proc/PID/stat): a cost per request that
     other processes on the machine disturb far less than wall-clock rates."""
@@ -143,8 +126,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_floor() -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, __file__, "--floor-server"], stdout=subprocess.PIPE, text=True)
+def start_floor(flag: str = "--floor-server") -> tuple[subprocess.Popen, str]:
+    p = subprocess.Popen([sys.executable, __file__, flag], stdout=subprocess.PIPE, text=True)
     return p, p.stdout.readline().strip()
 
 
@@ -369,13 +352,15 @@ def main() -> None:
     ap.add_argument("--count", type=int)
     ap.add_argument("--rate", type=float)
     ap.add_argument("--floor-server", action="store_true")
+    ap.add_argument("--raw-floor-server", action="store_true")
     ap.add_argument("--switch-intervals", default="1,5",
                     help="GIL switch intervals (ms) to measure ingest under query load with")
     args = ap.parse_args()
     if args.feed:
         return feeder(args)
-    if args.floor_server:
-        return floor_server()
+    if args.floor_server or args.raw_floor_server:
+        from benchmarks.service_floors import aiohttp_empty, raw_empty
+        return aiohttp_empty() if args.floor_server else raw_empty()
     if shutil.which("wrk") is None:
         sys.exit("benchmarks/service.py needs wrk (apt-get install wrk)")
     quick = args.quick
@@ -392,12 +377,13 @@ def main() -> None:
     print(f"# pre-filled: {fleet.router.entries():,} entries in {time.perf_counter() - t:.1f}s", flush=True)
     svc = Service(cfg, fleet)
     floor, floor_url = start_floor()
+    raw, raw_url = start_floor("--raw-floor-server")
     stream_pods = [0, 1, 2, 3]
     try:
         bodies = prompts(docs, rnd, 32)
         script = lua_script(d, bodies)
         rows = []
-        feed = start_feeder(d, stream_pods, rate=1000, seconds=secs * 6 + 30)
+        feed = start_feeder(d, stream_pods, rate=1000, seconds=secs * 9 + 30)
         try:
             for conns in (1, 16, 64):
                 b0 = fleet.deliveries
@@ -408,16 +394,21 @@ def main() -> None:
                 c0 = cpu_seconds(floor.pid)
                 f = run_wrk(floor_url, script, conns, secs)
                 floor_cpu = (cpu_seconds(floor.pid) - c0) / max(1.0, f["rps"] * secs) * 1e6
+                c0 = cpu_seconds(raw.pid)
+                w = run_wrk(raw_url, script, conns, secs)
+                raw_cpu = (cpu_seconds(raw.pid) - c0) / max(1.0, w["rps"] * secs) * 1e6
                 target = (f"p99 <= 2 ms: {'met' if r['p99'] <= 2.0 else 'missed'}") if conns == 16 else "-"
                 rows.append((conns, r["rps"], r["p50"], r["p99"], ours_cpu, f["rps"], f["p50"], f["p99"], floor_cpu,
-                             r["errors"], ingested, target))
+                             w["rps"], w["p50"], w["p99"], raw_cpu, r["errors"], ingested, target))
         finally:
             feed.kill()
             feed.wait()
         print_table("POST /v1/score over HTTP while ingesting a steady stream (~1,000 batches/s from 4 pods); "
-                    "limit = an empty aiohttp handler (same body, same wrk), measured right after",
+                    "limit = an empty aiohttp handler, raw = an empty asyncio.Protocol on uvloop (each its own "
+                    "process, same body, same wrk), measured right after ours",
                     ["clients", "req/s", "p50 ms", "p99 ms", "CPU us/req", "limit req/s", "limit p50", "limit p99",
-                     "limit CPU us/req", "non-2xx", "batches/s ingested", "target"], rows)
+                     "limit CPU us/req", "raw req/s", "raw p50", "raw p99", "raw CPU us/req", "non-2xx",
+                     "batches/s ingested", "target"], rows)
 
         # ~500 req/s: 110 connections, each waiting 200 ms minus a request's own time between
         # requests. 100 would be 500/s if requests took no time; wrk's rate is over its whole run,
@@ -447,8 +438,9 @@ def main() -> None:
                     ["GIL switch interval", "query load", "batches/s", "vs no load", "target"], ingest_rows)
     finally:
         svc.close()
-        floor.terminate()
-        floor.wait(10)
+        for p in (floor, raw):
+            p.terminate()
+            p.wait(10)
     rows = proxy_overhead(d, 100 if quick else 400)
     print_table("proxy: /v1/completions (64 prompt token ids, max_tokens 1), one client, alternating",
                 ["path", "p50 ms", "p99 ms", "target"], rows)
