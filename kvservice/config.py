@@ -29,7 +29,7 @@ Schema (every section and key optional unless marked; unknown keys are errors)::
     stale_after = 10.0
     replay_timeout = 2.0
     bind = "tcp://*:5557"        # bind mode: engines connect here (pods then need a topic)
-    poll_interval = 0.002        # s: ingest polls at most this often while batches trickle in
+    poll_interval = 0.005        # s: ingest polls at most this often while batches trickle in
 
     [[pods]]
     name = "pod-a"               # required
@@ -116,7 +116,7 @@ class SubscriberConfig:
     #: seconds: while batches trickle in, the ingest thread polls at most this often (each poll of
     #: many pods' sockets costs CPU, each wake-up a GIL hand-over); a backlog drains without pause;
     #: 0: poll again at once
-    poll_interval: float = 0.002
+    poll_interval: float = 0.005
 
 
 @dataclass(slots=True)
