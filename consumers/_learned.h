@@ -36,7 +36,18 @@ typedef struct {
     uint32_t mig_step;  /* old positions moved per insert or update while a rehash runs */
     unsigned long long moved_max; /* most entries one insert or update moved (rehash steps) */
     unsigned long long rehashes;  /* incremental rehashes started */
+    /* an incremental compaction under way (comp_on): entries [0, comp_w) are done, [comp_w,
+     * comp_r) are dead, [comp_r, used) are still to look at; each insert or update moves the
+     * next LT_COMP_STEP entries down (order kept), then used = comp_w */
+    uint32_t comp_on;
+    uint32_t comp_w, comp_r;
+    unsigned long long comp_max;    /* most entries one insert or update looked at (compaction) */
+    unsigned long long compactions; /* incremental compactions started */
 } LearnedTable;
+
+/* entries a compaction looks at per insert or update: it starts with room for used / 8 more
+ * entries and gains 15 per insert, so it ends before the entry array is full */
+#define LT_COMP_STEP 16
 
 static PyTypeObject LearnedTableType;
 
@@ -96,35 +107,65 @@ lt_drop_old(LearnedTable *m)
     m->old.mask = m->old.next = 0;
 }
 
-static int
-lt_reindex(LearnedTable *m, uint32_t size)
+/* look at the compaction's next n entries: move each live one down to comp_w (its index slot
+ * follows it), leave a dead one behind; at the end of the entries, used = comp_w. Returns the
+ * entries looked at. */
+static uint32_t
+lt_compact_step(LearnedTable *m, uint32_t n)
 {
-    uint32_t *slot = oa_new_slots(size);
-    if (slot == NULL)
+    uint32_t done = 0;
+    while (m->comp_on && done < n) {
+        if (m->comp_r == m->used) {
+            m->used = m->comp_w;
+            m->comp_on = 0;
+            break;
+        }
+        LEntry *x = &m->ent[m->comp_r];
+        if (x->tag != LT_DEAD) {
+            if (m->comp_w != m->comp_r) {
+                uint32_t pos;
+                if (lt_find(m, x->key, &pos) == m->comp_r) {
+                    if (pos & OA_OLD)
+                        m->old.slot[pos & ~OA_OLD] = m->comp_w + 1;
+                    else
+                        m->slot[pos] = m->comp_w + 1;
+                }
+                m->ent[m->comp_w] = *x;
+                x->tag = LT_DEAD;
+            }
+            m->comp_w++;
+        }
+        m->comp_r++;
+        done++;
+    }
+    if (m->comp_on && m->comp_r == m->used) {
+        m->used = m->comp_w;
+        m->comp_on = 0;
+    }
+    return done;
+}
+
+/* more room in the entry array (doubled), or -1 with MemoryError */
+static int
+lt_grow_entries(LearnedTable *m)
+{
+    uint64_t ncap = m->cap ? (uint64_t)m->cap * 2 : 64;
+    if (ncap >= MT_NONE) {
+        PyErr_SetString(PyExc_MemoryError, "learned table: too many keys");
         return -1;
-    lt_drop_old(m);
-    PyMem_RawFree(m->slot);
-    m->slot = slot;
-    m->slot_mask = size - 1;
-    for (uint32_t e = 0; e < m->used; e++)
-        if (m->ent[e].tag != LT_DEAD)
-            oa_place(slot, m->slot_mask, m->ent[e].key, e);
+    }
+    LEntry *ent = PyMem_RawRealloc(m->ent, ncap * sizeof(LEntry));
+    if (ent == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    m->ent = ent;
+    m->cap = (uint32_t)ncap;
     return 0;
 }
 
-/* drop dead entries (order kept) and rebuild the index */
-static int
-lt_compact(LearnedTable *m)
-{
-    uint32_t j = 0;
-    for (uint32_t e = 0; e < m->used; e++)
-        if (m->ent[e].tag != LT_DEAD)
-            m->ent[j++] = m->ent[e];
-    m->used = j;
-    return lt_reindex(m, m->slot_mask + 1);
-}
-
-/* room for one more entry (an index at its load limit starts an incremental rehash) */
+/* room for one more entry (an index at its load limit starts an incremental rehash; an entry
+ * array at least half used, a quarter of it dead, starts an incremental compaction) */
 static int
 lt_reserve(LearnedTable *m, uint64_t *moved)
 {
@@ -138,21 +179,21 @@ lt_reserve(LearnedTable *m, uint64_t *moved)
         m->rehashes++;
         *moved += lt_migrate(m, m->mig_step);
     }
+    if (!m->comp_on && m->used >= m->cap / 2 && (uint64_t)m->live * 4 < (uint64_t)m->used * 3 && m->used >= 64) {
+        /* room for used / 8 more entries first, so that the compaction ends before it runs out */
+        if (m->cap - m->used < m->used / 8 + 1 && lt_grow_entries(m) < 0)
+            return -1;
+        m->comp_on = 1;
+        m->comp_w = m->comp_r = 0;
+        m->compactions++;
+    }
     if (m->used == m->cap) {
-        if (m->live < m->used / 2)
-            return lt_compact(m);
-        uint64_t ncap = m->cap ? (uint64_t)m->cap * 2 : 64;
-        if (ncap >= MT_NONE) {
-            PyErr_SetString(PyExc_MemoryError, "learned table: too many keys");
-            return -1;
+        if (m->comp_on) { /* not reached (see LT_COMP_STEP); finish it rather than grow */
+            lt_compact_step(m, UINT32_MAX);
+            if (m->used < m->cap)
+                return 0;
         }
-        LEntry *ent = PyMem_RawRealloc(m->ent, ncap * sizeof(LEntry));
-        if (ent == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        m->ent = ent;
-        m->cap = (uint32_t)ncap;
+        return lt_grow_entries(m);
     }
     return 0;
 }
@@ -165,6 +206,11 @@ lt_set(LearnedTable *m, uint64_t k, uint32_t tag, uint64_t val)
     if (__builtin_expect(m->old.slot != NULL, 0) &&
         (moved = lt_migrate(m, m->mig_step)) > m->moved_max)
         m->moved_max = moved;
+    if (__builtin_expect(m->comp_on, 0)) {
+        uint32_t looked = lt_compact_step(m, LT_COMP_STEP);
+        if (looked > m->comp_max)
+            m->comp_max = looked;
+    }
     uint32_t pos;
     uint32_t e = lt_find(m, k, &pos);
     if (e != MT_NONE) {
@@ -241,6 +287,7 @@ lt_to_dict(LearnedTable *m)
     m->ent = NULL;
     m->slot = NULL;
     m->used = m->cap = m->live = 0;
+    m->comp_on = 0;
     m->slot_mask = 0;
     m->dict = d;
     return 0;

@@ -275,12 +275,14 @@ lt_nbytes(LearnedTable *m, PyObject *u)
     return PyLong_FromSize_t(b);
 }
 
-/* growth_stats() -> {moved_max, rehashes, rehashing, mig_step} (for tests) */
+/* growth_stats() -> {moved_max, rehashes, rehashing, mig_step, compact_max, compactions,
+ * compacting} (for tests) */
 static PyObject *
 lt_py_growth_stats(LearnedTable *m, PyObject *unused)
 {
-    return Py_BuildValue("{sKsKsisI}", "moved_max", m->moved_max, "rehashes", m->rehashes, "rehashing",
-                         m->old.slot != NULL, "mig_step", m->mig_step);
+    return Py_BuildValue("{sKsKsisIsKsKsi}", "moved_max", m->moved_max, "rehashes", m->rehashes, "rehashing",
+                         m->old.slot != NULL, "mig_step", m->mig_step, "compact_max", m->comp_max,
+                         "compactions", m->compactions, "compacting", (int)m->comp_on);
 }
 
 static PyObject *

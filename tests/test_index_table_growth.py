@@ -213,3 +213,49 @@ def test_learned_table_deletes_in_the_middle_of_a_rehash_and_bounded_steps():
     s = t.growth_stats()
     assert s["rehashes"] >= 12 and s["moved_max"] <= s["mig_step"]
     assert len(t) == len(d) and all(t[j] == d[j] for j in range(0, k + 200_000, 991) if j in d)
+
+
+def test_learned_table_compacts_incrementally_with_bounded_work():
+    """A bounded learned map at steady state (new keys in, the oldest out in chunks) leaves dead
+    entries behind; they are compacted away a few entries per insert or update (was: the whole
+    array in one call, 10 ms at 1M entries with the GIL and the service's lock held), with
+    insertion order, lookups, updates and deletes right in the middle of it, and memory that
+    stops growing."""
+    t, d = _FAST.LearnedTable(), {}
+    live = 5000
+    for k in range(live):
+        t[k] = d[k] = k
+    nxt, mid, sizes = live, 0, []
+    for i in range(40_000):
+        t[nxt] = d[nxt] = nxt * 7
+        nxt += 1
+        if i % 500 == 499:  # the map's bound: drop the oldest
+            for k in t.oldest(500):
+                del t[k]
+                del d[k]
+        if t.growth_stats()["compacting"] and mid < 3:  # in the middle of a compaction
+            mid += 1
+            keys = list(d)
+            for k in (keys[0], keys[len(keys) // 2], keys[-1]):  # updates keep their place
+                t[k] = d[k] = k + 1
+            for k in (keys[1], keys[len(keys) // 3], keys[-2]):
+                del t[k]
+                del d[k]
+            assert list(t.items()) == list(d.items())
+            assert all(t.get(k) == d.get(k) for k in keys[::97])
+        if i >= 20_000:
+            sizes.append(t.__sizeof__())
+    s = t.growth_stats()
+    assert mid == 3 and s["compactions"] >= 4
+    assert s["compact_max"] <= 16, "no insert or update looks at more than 16 entries of a compaction"
+    assert list(t.items()) == list(d.items())
+    assert len(set(sizes)) == 1, "in a steady state the table stops growing"
+    # a key the table cannot hold inline, mid-compaction: the table becomes a dict, order kept
+    while not t.growth_stats()["compacting"]:
+        for k in t.oldest(400):
+            del t[k]
+            del d[k]
+        t[nxt] = d[nxt] = 1
+        nxt += 1
+    t[b"bytes-key"] = d[b"bytes-key"] = 5
+    assert t.is_dict() and list(t.items()) == list(d.items())
