@@ -15,7 +15,13 @@ evictions: on ext4 without a journal (this VM's root) a new file's inode search 
 inode of its block group deleted in the last 60 s (``recently_deleted`` in fs/ext4/ialloc.c),
 which is why the fs tier spreads its fan-out directories over block groups (``spread_dirs``).
 The device row is the limit at this request size: one ``O_DIRECT`` request per block into
-one preallocated file, no file per block. The host
+one preallocated file, no file per block. The ceiling row reads the device row's file back
+buffered, so readahead makes multi-MiB disk requests (``benchmarks/fs_ceiling.py`` measures
+the whole grid of request sizes, queue depths and modes); the summary prints the best cold
+load of any row as the ceiling, and where 1.2 x vLLM lies against it. ``--systems ...,jobfiles``
+adds two rows of a sketch that is not the tier: a file per store job (its 64 blocks, a header
+page before each), read back by one ``preadv`` per job, buffered or ``O_DIRECT`` (what a
+multi-block layout would read at, before eviction, compaction, a scan and shared roots). The host
 buffer is page-aligned, as a pinned host buffer is. vLLM 0.33 is the peer where ``import vllm``
 works (``bash ../shared/peers/setup-vllm.sh DIR``; run this script in that venv with the
 project installed editable or on PYTHONPATH); the plain loop is ``os.write`` / ``os.readv``
@@ -33,30 +39,25 @@ rate, with the default store policy and with ``"unbounded"`` (see ``benchmarks/f
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 if __package__ in (None, ""):  # `python benchmarks/fs_tier.py`: the project root before benchmarks/
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._fs_systems import (JOB, O_DIRECT, Device, JobFiles, JobFilesDirect, Ours, Plain, Sequential, System,
+                                    aligned_buffer)
 from benchmarks._table import format_table
-from manager import NumpyBlockIO, make_offload_key
-from manager.tiering import JobMetadata
+from manager import make_offload_key
 from manager.tiering.fs import FileSystemSecondaryTierManager
-
-JOB = 64
-O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def drop_caches() -> str | None:
@@ -83,128 +84,6 @@ def disk_reads(path: str) -> tuple[int, int] | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def aligned_buffer(nblocks: int, nbytes: int) -> np.ndarray:
-    m = mmap.mmap(-1, nblocks * nbytes)
-    return np.frombuffer(m, dtype=np.uint8).reshape(nblocks, nbytes)
-
-
-class System:
-    name = ""
-
-    def setup(self, root: str, host: np.ndarray) -> None: ...
-
-    def store(self, keys: list[bytes], n: int) -> None: ...
-
-    def load(self, keys: list[bytes], n: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class Ours(System):
-    def __init__(self, **cfg: Any) -> None:
-        self.cfg = cfg
-        self.name = "ours" + ("" if not cfg else " " + ",".join(f"{k}={v}" for k, v in cfg.items()))
-
-    def setup(self, root: str, host: np.ndarray) -> None:
-        self.tier = FileSystemSecondaryTierManager(root=root, block_io=NumpyBlockIO(host), enable_events=False,
-                                                   store_policy="unbounded", **self.cfg)
-
-    def _run(self, keys: list[bytes], n: int, load: bool) -> None:
-        t = self.tier
-        for j, i in enumerate(range(0, n, JOB)):
-            job = JobMetadata(j, keys[i : i + JOB], np.arange(i, min(i + JOB, n), dtype=np.int64), load)
-            (t.submit_load if load else t.submit_store)(job)
-        assert t.drain_jobs(timeout=600)
-        bad = [r for r in t.get_finished_jobs() if not r.success]
-        if bad:
-            raise RuntimeError(f"ours: {len(bad)} jobs failed ({t.stats()})")
-
-    def store(self, keys: list[bytes], n: int) -> None:
-        self._run(keys, n, False)
-
-    def load(self, keys: list[bytes], n: int) -> None:
-        self._run(keys, n, True)
-
-    def close(self) -> None:
-        self.tier.shutdown()
-
-
-class Plain(System):
-    name = "plain os.write/os.readv, 32 threads"
-
-    def setup(self, root: str, host: np.ndarray) -> None:
-        self.root, self.host = root, host
-        self.pool = ThreadPoolExecutor(32)
-        for i in range(256):
-            os.makedirs(os.path.join(root, f"{i:02x}"), exist_ok=True)
-
-    def _path(self, key: bytes) -> str:
-        h = key.hex()
-        return f"{self.root}/{h[-2:]}/{h}"
-
-    def _store_job(self, keys: list[bytes], lo: int) -> None:
-        for k, key in enumerate(keys):
-            fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.write(fd, self.host[lo + k])
-            finally:
-                os.close(fd)
-
-    def _load_job(self, keys: list[bytes], lo: int) -> None:
-        for k, key in enumerate(keys):
-            fd = os.open(self._path(key), os.O_RDONLY)
-            try:
-                if os.readv(fd, [self.host[lo + k]]) != self.host.shape[1]:
-                    raise RuntimeError("plain: short read")
-            finally:
-                os.close(fd)
-
-    def _run(self, fn: Callable[[list[bytes], int], None], keys: list[bytes], n: int) -> None:
-        futs = [self.pool.submit(fn, keys[i : i + JOB], i) for i in range(0, n, JOB)]
-        wait(futs)
-        for f in futs:
-            f.result()
-
-    def store(self, keys: list[bytes], n: int) -> None:
-        self._run(self._store_job, keys, n)
-
-    def load(self, keys: list[bytes], n: int) -> None:
-        self._run(self._load_job, keys, n)
-
-    def close(self) -> None:
-        self.pool.shutdown()
-
-
-class Device(Plain):
-    """The device's limit at this request size: the same bytes as one request per block,
-    ``O_DIRECT`` at page-aligned offsets of one preallocated file (no file per block, no
-    metadata), 32 threads, in job order."""
-
-    name = "device: O_DIRECT pwrite/preadv, 1 file, 32 threads"
-
-    def setup(self, root: str, host: np.ndarray) -> None:
-        self.root, self.host = root, host
-        self.pool = ThreadPoolExecutor(32)
-        self.fd = os.open(os.path.join(root, "device"), os.O_RDWR | os.O_CREAT | O_DIRECT, 0o644)
-        os.posix_fallocate(self.fd, 0, host.size)
-
-    def _store_job(self, keys: list[bytes], lo: int) -> None:
-        nbytes = self.host.shape[1]
-        for k in range(len(keys)):
-            if os.pwrite(self.fd, self.host[lo + k], (lo + k) * nbytes) != nbytes:
-                raise RuntimeError("device: short write")
-
-    def _load_job(self, keys: list[bytes], lo: int) -> None:
-        nbytes = self.host.shape[1]
-        for k in range(len(keys)):
-            if os.preadv(self.fd, [self.host[lo + k]], (lo + k) * nbytes) != nbytes:
-                raise RuntimeError("device: short read")
-
-    def close(self) -> None:
-        super().close()
-        os.close(self.fd)
 
 
 class VLLM(System):
@@ -308,6 +187,18 @@ def summarize(best: dict[str, dict[str, float]], rounds: dict[str, list[dict[str
         if peer and 1.2 * peer["load"] > dev["load"]:
             print(f"    1.2 x vLLM's cold load = {1.2 * peer['load']:.2f} GB/s is above the device's {dev['load']:.2f} GB/s "
                   "with one request per block: not reachable with a file per block")
+    if Sequential.name in best:
+        top_name, top = max(((k, b["load"]) for k, b in best.items()), key=lambda kv: kv[1])
+        line = f"  ceiling (the best cold load of any row): {top:.2f} GB/s ({top_name.split(':')[0].split(' (')[0]})"
+        if ours:
+            line += f"; ours {ours['load'] / top:.2f}x of it"
+        if peer:
+            line += f"; 1.2 x vLLM = {1.2 * peer['load']:.2f} GB/s is {'below' if 1.2 * peer['load'] <= top else 'ABOVE'} it"
+        print(line)
+    jobs = [best[n] for n in (JobFiles.name, JobFilesDirect.name) if n in best]
+    if jobs and peer:
+        print(f"  sketch (a file per job, the better of its rows) / vLLM: cold load "
+              f"{max(b['load'] for b in jobs) / peer['load']:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="2048x256,8192x64", help="NxKiB,... (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the files go (default: a temp dir under /var/tmp)")
-    ap.add_argument("--systems", default="ours,vllm,plain,device", help="comma list of ours, vllm, plain, device")
+    ap.add_argument("--systems", default="ours,vllm,plain,device,ceiling",
+                    help="comma list of ours, vllm, plain, device, ceiling, jobfiles (default %(default)s)")
     ap.add_argument("--ours", action="append", default=[],
                     help="extra configs of ours to compare, e.g. load_threads=8,store_threads=4 (repeatable)")
     args = ap.parse_args(argv)
@@ -341,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         systems.append(Plain())
     if "device" in want and O_DIRECT:
         systems.append(Device())
+    if "ceiling" in want and O_DIRECT:
+        systems.append(Sequential())
+    if "jobfiles" in want and O_DIRECT:
+        systems += [JobFiles(), JobFilesDirect()]
     probe = FileSystemSecondaryTierManager(root=os.path.join(base, "probe"), enable_events=False)
     print(f"directory {base}: O_DIRECT {'supported' if probe.o_direct else 'not supported'}; "
           f"checksum {probe.stats()['checksum']}; load path {'C (_fsio)' if probe.stats()['native_io'] else 'Python'}; "
