@@ -3,6 +3,7 @@ device, the readahead ceiling, a file-per-job sketch). vLLM's row stays in fs_ti
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import threading
@@ -142,25 +143,34 @@ class Device(Plain):
 
 
 class Sequential(Device):
-    """The disk's ceiling (``benchmarks/fs_ceiling.py``): the device row's file read back
-    buffered, so the kernel's readahead turns the sequential reads into multi-MiB disk
-    requests. No file per block, no header, no checksum: what a layout with a job's blocks
-    contiguous on disk could be read at, at best."""
+    """The disk's ceiling (``benchmarks/fs_ceiling.py``'s best cell): the device row's file
+    read back buffered as ONE sequential stream (32 threads, each taking the next block), so
+    the kernel's readahead keeps multi-MiB disk requests in flight. No file per block, no
+    header, no checksum, and a load order that is the store order: what a layout would read
+    at only if a whole load were one contiguous run on disk."""
 
-    name = "ceiling: buffered reads of 1 file (readahead)"
+    name = "ceiling: 1 file, 1 sequential stream, buffered"
 
     def setup(self, root: str, host: np.ndarray) -> None:
         super().setup(root, host)
         self.path = os.path.join(root, "device")
 
     def load(self, keys: list[bytes], n: int) -> None:
-        fd = self.fd
-        self.fd = os.open(self.path, os.O_RDONLY)
+        fd = os.open(self.path, os.O_RDONLY)
+        nbytes, host, nxt = self.host.shape[1], self.host, itertools.count()
+
+        def reader() -> None:
+            while (i := next(nxt)) < n:
+                if os.preadv(fd, [host[i]], i * nbytes) != nbytes:
+                    raise RuntimeError("ceiling: short read")
+
         try:
-            super().load(keys, n)
+            futs = [self.pool.submit(reader) for _ in range(32)]
+            wait(futs)
+            for f in futs:
+                f.result()
         finally:
-            os.close(self.fd)
-            self.fd = fd
+            os.close(fd)
 
 
 class JobFiles(Plain):
@@ -174,6 +184,7 @@ class JobFiles(Plain):
     name = "sketch: a file per job (64 blocks), buffered"
     _HDR = 4096
     _flags = os.O_RDONLY
+    _willneed = False
 
     def setup(self, root: str, host: np.ndarray) -> None:
         from manager.tiering import fs_io
@@ -213,6 +224,8 @@ class JobFiles(Plain):
         iov = [v for k in range(len(keys)) for v in (hdr[k], self.host[lo + k])]
         fd = os.open(self._path(keys[0]), self._flags)
         try:
+            if self._willneed:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             if os.preadv(fd, iov, 0) != len(keys) * (self._HDR + self.host.shape[1]):
                 raise RuntimeError("job files: short read")
         finally:
@@ -220,6 +233,14 @@ class JobFiles(Plain):
         for k, key in enumerate(keys):
             if hdr[k, 8 : 8 + len(key)].tobytes() != key or int.from_bytes(hdr[k, :8].tobytes(), "big") != self.crc(self.host[lo + k]):
                 raise RuntimeError("job files: key or checksum mismatch")
+
+
+class JobFilesWillneed(JobFiles):
+    """The same files, buffered, the whole file ``posix_fadvise(WILLNEED)`` before the read
+    (all its readahead queued at once)."""
+
+    name = "sketch: a file per job (64 blocks), WILLNEED"
+    _willneed = True
 
 
 class JobFilesDirect(JobFiles):

@@ -80,16 +80,29 @@ class Data:
     def __init__(self, base: str, total: int) -> None:
         self.base, self.total = base, total
         self.big = os.path.join(base, "big")
-        chunk = mmap.mmap(-1, 4 << 20)
-        chunk.write(os.urandom(4 << 20))
-        fd = os.open(self.big, os.O_WRONLY | os.O_CREAT | O_DIRECT, 0o644)
+        self.chunk = mmap.mmap(-1, 4 << 20)
+        self.chunk.write(os.urandom(4 << 20))
+        self.trees: dict[int, list[str]] = {}
+        self.write_big()
+
+    def write_big(self) -> None:
+        """(Re)write the one file: a new file, new blocks, as a store before a load makes them."""
+        tmp = self.big + ".new"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o644)
         try:
-            for off in range(0, total, len(chunk)):
-                os.pwrite(fd, chunk, off)
+            for off in range(0, self.total, len(self.chunk)):
+                os.pwrite(fd, self.chunk, off)
         finally:
             os.close(fd)
-        self.chunk = chunk
-        self.trees: dict[int, list[str]] = {}
+        os.replace(tmp, self.big)
+
+    def refresh(self, size: int, one_file: bool) -> None:
+        if one_file:
+            self.write_big()
+        elif size in self.trees:
+            shutil.rmtree(os.path.join(self.base, f"files-{size // KIB}k"))
+            del self.trees[size]
+            self.files(size)
 
     def files(self, size: int) -> list[str]:
         if size not in self.trees:
@@ -209,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-mib", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fio", action="store_true", help="add libaio O_DIRECT rows (fio on PATH)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="write the cell's file(s) anew before every cell (else written once and re-read by every cell)")
     ap.add_argument("--target", type=float, default=None, help="a GB/s figure to compare the ceiling with")
     ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
@@ -234,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 for s in sizes:
                     for t in threads:
+                        if args.fresh:
+                            data.refresh(s, "1 file" in mode)
                         r = fio_cell(data, s, t) if mode.startswith("fio") else cell(data, mode, s, t)
                         if r is not None and r[0] > best.get((mode, s, t), (0.0,))[0]:
                             best[(mode, s, t)] = r
@@ -241,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
     load1 = os.getloadavg()
-    print(f"cold reads of {args.total_mib} MiB per cell, {os.cpu_count()} CPUs, best of {args.rounds} interleaved rounds; "
+    print(f"cold reads of {args.total_mib} MiB per cell ({'written anew before each cell' if args.fresh else 'written once, re-read by every cell'}), "
+          f"{os.cpu_count()} CPUs, best of {args.rounds} interleaved rounds; "
           f"load average {load0[0]:.1f} before, {load1[0]:.1f} after; page cache "
           + ("dropped before every cell (as root: sync; echo 3 > /proc/sys/vm/drop_caches)" if dropped
              else "NOT dropped (not root): buffered rows read memory"))

@@ -16,9 +16,9 @@ inode of its block group deleted in the last 60 s (``recently_deleted`` in fs/ex
 which is why the fs tier spreads its fan-out directories over block groups (``spread_dirs``).
 The device row is the limit at this request size: one ``O_DIRECT`` request per block into
 one preallocated file, no file per block. The ceiling row reads the device row's file back
-buffered, so readahead makes multi-MiB disk requests (``benchmarks/fs_ceiling.py`` measures
-the whole grid of request sizes, queue depths and modes); the summary prints the best cold
-load of any row as the ceiling, and where 1.2 x vLLM lies against it. ``--systems ...,jobfiles``
+buffered as one sequential stream, so readahead keeps multi-MiB disk requests in flight: the
+best shape of ``benchmarks/fs_ceiling.py``'s grid (request sizes x queue depths x modes); the
+summary prints the best cold load of any row as the ceiling, and where 1.2 x vLLM lies against it. ``--systems ...,jobfiles``
 adds two rows of a sketch that is not the tier: a file per store job (its 64 blocks, a header
 page before each), read back by one ``preadv`` per job, buffered or ``O_DIRECT`` (what a
 multi-block layout would read at, before eviction, compaction, a scan and shared roots). The host
@@ -53,7 +53,7 @@ import numpy as np
 if __package__ in (None, ""):  # `python benchmarks/fs_tier.py`: the project root before benchmarks/
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._fs_systems import (JOB, O_DIRECT, Device, JobFiles, JobFilesDirect, Ours, Plain, Sequential, System,
+from benchmarks._fs_systems import (JOB, O_DIRECT, Device, JobFiles, JobFilesDirect, JobFilesWillneed, Ours, Plain, Sequential, System,
                                     aligned_buffer)
 from benchmarks._table import format_table
 from manager import make_offload_key
@@ -195,7 +195,7 @@ def summarize(best: dict[str, dict[str, float]], rounds: dict[str, list[dict[str
         if peer:
             line += f"; 1.2 x vLLM = {1.2 * peer['load']:.2f} GB/s is {'below' if 1.2 * peer['load'] <= top else 'ABOVE'} it"
         print(line)
-    jobs = [best[n] for n in (JobFiles.name, JobFilesDirect.name) if n in best]
+    jobs = [best[n] for n in (JobFiles.name, JobFilesWillneed.name, JobFilesDirect.name) if n in best]
     if jobs and peer:
         print(f"  sketch (a file per job, the better of its rows) / vLLM: cold load "
               f"{max(b['load'] for b in jobs) / peer['load']:.2f}x")
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if "ceiling" in want and O_DIRECT:
         systems.append(Sequential())
     if "jobfiles" in want and O_DIRECT:
-        systems += [JobFiles(), JobFilesDirect()]
+        systems += [JobFiles(), JobFilesWillneed(), JobFilesDirect()]
     probe = FileSystemSecondaryTierManager(root=os.path.join(base, "probe"), enable_events=False)
     print(f"directory {base}: O_DIRECT {'supported' if probe.o_direct else 'not supported'}; "
           f"checksum {probe.stats()['checksum']}; load path {'C (_fsio)' if probe.stats()['native_io'] else 'Python'}; "
