@@ -185,6 +185,7 @@ class JobFiles(Plain):
     _HDR = 4096
     _flags = os.O_RDONLY
     _willneed = False
+    _per_block = False
 
     def setup(self, root: str, host: np.ndarray) -> None:
         from manager.tiering import fs_io
@@ -226,7 +227,12 @@ class JobFiles(Plain):
         try:
             if self._willneed:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            if os.preadv(fd, iov, 0) != len(keys) * (self._HDR + self.host.shape[1]):
+            if self._per_block:  # a read per block, in order: readahead runs ahead of them
+                step = self._HDR + self.host.shape[1]
+                for k in range(len(keys)):
+                    if os.preadv(fd, iov[2 * k : 2 * k + 2], k * step) != step:
+                        raise RuntimeError("job files: short read")
+            elif os.preadv(fd, iov, 0) != len(keys) * (self._HDR + self.host.shape[1]):
                 raise RuntimeError("job files: short read")
         finally:
             os.close(fd)
@@ -241,6 +247,14 @@ class JobFilesWillneed(JobFiles):
 
     name = "sketch: a file per job (64 blocks), WILLNEED"
     _willneed = True
+
+
+class JobFilesPerBlock(JobFiles):
+    """The same files, buffered, one ``preadv`` per block in file order (the kernel's
+    readahead runs ahead of the reads)."""
+
+    name = "sketch: a file per job (64 blocks), buffered, a read per block"
+    _per_block = True
 
 
 class JobFilesDirect(JobFiles):

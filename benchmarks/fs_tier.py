@@ -53,7 +53,7 @@ import numpy as np
 if __package__ in (None, ""):  # `python benchmarks/fs_tier.py`: the project root before benchmarks/
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._fs_systems import (JOB, O_DIRECT, Device, JobFiles, JobFilesDirect, JobFilesWillneed, Ours, Plain, Sequential, System,
+from benchmarks._fs_systems import (JOB, O_DIRECT, Device, JobFiles, JobFilesDirect, JobFilesPerBlock, JobFilesWillneed, Ours, Plain, Sequential, System,
                                     aligned_buffer)
 from benchmarks._table import format_table
 from manager import make_offload_key
@@ -195,7 +195,7 @@ def summarize(best: dict[str, dict[str, float]], rounds: dict[str, list[dict[str
         if peer:
             line += f"; 1.2 x vLLM = {1.2 * peer['load']:.2f} GB/s is {'below' if 1.2 * peer['load'] <= top else 'ABOVE'} it"
         print(line)
-    jobs = [best[n] for n in (JobFiles.name, JobFilesWillneed.name, JobFilesDirect.name) if n in best]
+    jobs = [best[n] for n in (JobFiles.name, JobFilesPerBlock.name, JobFilesWillneed.name, JobFilesDirect.name) if n in best]
     if jobs and peer:
         print(f"  sketch (a file per job, the better of its rows) / vLLM: cold load "
               f"{max(b['load'] for b in jobs) / peer['load']:.2f}x")
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if "ceiling" in want and O_DIRECT:
         systems.append(Sequential())
     if "jobfiles" in want and O_DIRECT:
-        systems += [JobFiles(), JobFilesWillneed(), JobFilesDirect()]
+        systems += [JobFiles(), JobFilesPerBlock(), JobFilesWillneed(), JobFilesDirect()]
     probe = FileSystemSecondaryTierManager(root=os.path.join(base, "probe"), enable_events=False)
     print(f"directory {base}: O_DIRECT {'supported' if probe.o_direct else 'not supported'}; "
           f"checksum {probe.stats()['checksum']}; load path {'C (_fsio)' if probe.stats()['native_io'] else 'Python'}; "
