@@ -27,10 +27,11 @@ works (``bash ../shared/peers/setup-vllm.sh DIR``; run this script in that venv 
 project installed editable or on PYTHONPATH); the plain loop is ``os.write`` / ``os.readv``
 of each block into its own file (buffered, no header, no checksum, no rename) on 32 threads.
 
-The last two columns (median round) say what a cold load cost the disk: read requests per
+The last three columns (median round) say what a cold load cost: disk read requests per
 block and bytes read per byte of payload, from ``/proc/diskstats`` for the device under
-``--dir`` (the whole device: anything else reading at the time counts too). Above 1 request
-per block and 1.0 bytes: metadata (directory blocks, inode tables) and headers.
+``--dir`` (the whole device: anything else reading at the time counts too; above 1 request
+per block and 1.0 bytes: metadata (directory blocks, inode tables) and headers), and this
+process's CPU seconds (user + system, all threads, ``os.times()``) per GB loaded.
 
 ``--backpressure``: the engine's step time with a tier throttled to a fraction of the store
 rate, with the default store policy and with ``"unbounded"`` (see ``benchmarks/fs_backpressure.py``).
@@ -148,9 +149,11 @@ def one_round(system: System, base: str, host: np.ndarray, ref: np.ndarray, keys
         dropped = drop_caches()
         host[:] = 0
         d0 = disk_reads(root)
+        c0 = os.times()
         t3 = time.perf_counter()
         system.load(keys, n)
         t4 = time.perf_counter()
+        c1 = os.times()
         d1 = disk_reads(root)
         system.close()
         if not np.array_equal(host, ref):
@@ -159,7 +162,8 @@ def one_round(system: System, base: str, host: np.ndarray, ref: np.ndarray, keys
         reads = (d1[0] - d0[0]) / n if d0 and d1 else float("nan")
         read_bytes = (d1[1] - d0[1]) * 512 / total if d0 and d1 else float("nan")
         return {"store": total / (t1 - t0) / 1e9, "sync": total / (t2 - t0) / 1e9, "load": total / (t4 - t3) / 1e9,
-                "reads": reads, "read_bytes": read_bytes, "dropped": dropped is None, "why": dropped or ""}
+                "reads": reads, "read_bytes": read_bytes,
+                "cpu": (c1.user + c1.system - c0.user - c0.system) / (total / 1e9), "dropped": dropped is None, "why": dropped or ""}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -265,12 +269,13 @@ def main(argv: list[str] | None = None) -> int:
             b = best[s.name]
             rs = sorted(r["reads"] for r in rounds[s.name])
             rb = sorted(r["read_bytes"] for r in rounds[s.name])
+            cpu = sorted(r["cpu"] for r in rounds[s.name])
             rows.append([s.name, f"{b['store']:.2f}", f"{b['sync']:.2f}", f"{b['load']:.2f}",
-                         f"{rs[len(rs) // 2]:.2f}", f"{rb[len(rb) // 2]:.3f}"])
+                         f"{rs[len(rs) // 2]:.2f}", f"{rb[len(rb) // 2]:.3f}", f"{cpu[len(cpu) // 2]:.2f}"])
         title = (f"{n} x {kib} KiB blocks ({n * nbytes / 2**30:.2f} GiB), jobs of {JOB}, best of {args.rounds}, "
                  "bytes verified every round")
         print(format_table(title, ["system", "store GB/s", "store + sync GB/s", "cold load GB/s", "disk reads / block",
-                                   "bytes read / stored"], rows))
+                                   "bytes read / stored", "load CPU s / GB"], rows))
         summarize(best, rounds)
     print("page cache: " + ("; ".join(sorted(notes)) if notes else
                             "dropped before every load (as root: sync; echo 3 > /proc/sys/vm/drop_caches)"))
