@@ -1,6 +1,7 @@
 """The event plane, measured: engine -> bridge -> JetStream -> router replica, vs direct ZeroMQ.
 
     python benchmarks/fleet.py [--quick] [--only-rate] [--events 16 ...] [--rounds R] [--batches N] [--pack P]
+                               [--no-warmup] [--server-env NAME=VALUE]
 
 Needs nats-server (Debian's) on PATH or in /usr/sbin; starts its own on a free loopback port
 with file storage in a temporary directory.
@@ -10,8 +11,12 @@ with file storage in a temporary directory.
    (ZmqEventPublisher); (a) direct: our raw Subscriber -> KVRouter.apply_payload in this
    process; (b) plane: a bridge process forwards to the stream, this process reads it through a
    JetStreamSource -> KVRouter. Rates are events applied / (last apply - first publish), same
-   clock; rounds interleave direct and plane. "Where the time goes": each stage alone on the
-   same batches (bridge into the stream; stream -> source without a router; router apply only).
+   clock; rounds interleave direct and plane, after one untimed plane run per storage kind (a
+   fresh nats-server's heap is still growing: see 1c's page faults). 1c: CPU per event per
+   process, nats-server's page faults, and how the machine's 2 cores were spent during the run
+   (this path / other processes / idle: a run slowed by other load says so). "Where the time
+   goes" (1b): each stage alone on the same batches (bridge into the stream; stream -> source
+   without a router; router apply only).
 2. Lag: the engine paces itself at a target rate; lag = apply time - the batch's ts (peek_ts);
    p50/p99 for direct and plane in the same run.
 3. Warm restart vs cold for an index of B blocks: cold = a replica reads the whole stream;
