@@ -111,10 +111,14 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=1 << 18)
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--runs", type=int, default=2, help="pairs of runs (stream on, stream off)")
+    ap.add_argument("--gil-switch-ms", type=float, help="api.gil_switch_ms for the service (default: its own)")
+    ap.add_argument("--no-stream-off", action="store_true", help="only the runs with the stream")
     args = ap.parse_args()
     rnd = random.Random(0)
     d = Path(tempfile.mkdtemp(prefix="kvbench-tail-"))
     cfg, fleet, docs = S.build_fleet(d, 64, args.blocks, rnd)
+    if args.gil_switch_ms is not None:
+        cfg.api.gil_switch_ms = args.gil_switch_ms
     rec = Recorder(fleet)
     svc = S.Service(cfg, fleet)
     tids: dict = {}
@@ -130,7 +134,7 @@ def main() -> None:
     rows = []
     try:
         for _ in range(args.runs):
-            for stream in (True, False):
+            for stream in (True,) if args.no_stream_off else (True, False):
                 feed = S.start_feeder(d, [0, 1, 2, 3], rate=1000, seconds=args.seconds + 5) if stream else None
                 rec.clear()
                 l0, i0 = _thread_stat(tids["loop"]), _thread_stat(ingest_tid)
