@@ -112,11 +112,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--runs", type=int, default=2, help="pairs of runs (stream on, stream off)")
     ap.add_argument("--gil-switch-ms", type=float, help="api.gil_switch_ms for the service (default: its own)")
+    ap.add_argument("--poll-interval", type=float, help="subscriber.poll_interval (s) for the service (default: its own)")
     ap.add_argument("--no-stream-off", action="store_true", help="only the runs with the stream")
     args = ap.parse_args()
     rnd = random.Random(0)
     d = Path(tempfile.mkdtemp(prefix="kvbench-tail-"))
     cfg, fleet, docs = S.build_fleet(d, 64, args.blocks, rnd)
+    if args.poll_interval is not None:
+        fleet.poll_interval = args.poll_interval
     if args.gil_switch_ms is not None:
         cfg.api.gil_switch_ms = args.gil_switch_ms
     rec = Recorder(fleet)
