@@ -17,7 +17,7 @@ static inline uint32_t be32(const uint8_t *p)
 static inline uint64_t be64(const uint8_t *p) { return ((uint64_t)be32(p) << 32) | be32(p + 4); }
 
 /* An integer: returns 1 (unsigned value in *u), 2 (negative value in *s), 0 not an int, -1 truncated */
-static inline int
+static inline __attribute__((always_inline)) int
 rd_int(Rd *r, uint64_t *u, int64_t *s)
 {
     if (!NEED(r, 1))
