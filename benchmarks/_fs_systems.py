@@ -20,6 +20,21 @@ JOB = 64
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
+def disk_reads(path: str) -> tuple[int, int] | None:
+    """(reads completed, sectors read) of the block device holding ``path``, from
+    /proc/diskstats (the whole device: other processes' reads count too), or None."""
+    dev = os.stat(path).st_dev
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                p = line.split()
+                if int(p[0]) == os.major(dev) and int(p[1]) == os.minor(dev):
+                    return int(p[3]), int(p[5])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def aligned_buffer(nblocks: int, nbytes: int) -> np.ndarray:
     m = mmap.mmap(-1, nblocks * nbytes)
     return np.frombuffer(m, dtype=np.uint8).reshape(nblocks, nbytes)
@@ -37,7 +52,25 @@ class System:
     def close(self) -> None: ...
 
 
-class Ours(System):
+class TierSystem(System):
+    """A system driving a tier through jobs: ``_run(keys, n, load)`` and ``self.tier``."""
+
+    tier: Any
+
+    def _run(self, keys: list[bytes], n: int, load: bool) -> None:
+        raise NotImplementedError
+
+    def store(self, keys: list[bytes], n: int) -> None:
+        self._run(keys, n, False)
+
+    def load(self, keys: list[bytes], n: int) -> None:
+        self._run(keys, n, True)
+
+    def close(self) -> None:
+        self.tier.shutdown()
+
+
+class Ours(TierSystem):
     def __init__(self, **cfg: Any) -> None:
         self.cfg = cfg
         self.name = "ours" + ("" if not cfg else " " + ",".join(f"{k}={v}" for k, v in cfg.items()))
@@ -55,15 +88,6 @@ class Ours(System):
         bad = [r for r in t.get_finished_jobs() if not r.success]
         if bad:
             raise RuntimeError(f"ours: {len(bad)} jobs failed ({t.stats()})")
-
-    def store(self, keys: list[bytes], n: int) -> None:
-        self._run(keys, n, False)
-
-    def load(self, keys: list[bytes], n: int) -> None:
-        self._run(keys, n, True)
-
-    def close(self) -> None:
-        self.tier.shutdown()
 
 
 class Plain(System):

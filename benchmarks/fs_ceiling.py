@@ -42,6 +42,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._fs_systems import disk_reads
 from benchmarks._table import format_table
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -58,20 +59,6 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-def disk_stats(path: str) -> tuple[int, int] | None:
-    """(reads completed, sectors read) of the device under ``path`` (/proc/diskstats)."""
-    dev = os.stat(path).st_dev
-    try:
-        with open("/proc/diskstats") as f:
-            for line in f:
-                p = line.split()
-                if int(p[0]) == os.major(dev) and int(p[1]) == os.minor(dev):
-                    return int(p[3]), int(p[5])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 class Data:
@@ -182,7 +169,7 @@ def cell(data: Data, mode: str, size: int, threads: int) -> tuple[float, float, 
                 errors.append(exc)
 
     drop_caches()
-    d0 = disk_stats(data.base)
+    d0 = disk_reads(data.base)
     t0 = time.perf_counter()
     if mode == "willneed files":
         for p in paths:
@@ -195,7 +182,7 @@ def cell(data: Data, mode: str, size: int, threads: int) -> tuple[float, float, 
     for t in ts:
         t.join()
     dt = time.perf_counter() - t0
-    d1 = disk_stats(data.base)
+    d1 = disk_reads(data.base)
     if fd >= 0:
         os.close(fd)
     if errors:
@@ -207,11 +194,11 @@ def cell(data: Data, mode: str, size: int, threads: int) -> tuple[float, float, 
 
 def fio_cell(data: Data, size: int, depth: int) -> tuple[float, float, float] | None:
     drop_caches()
-    d0 = disk_stats(data.base)
+    d0 = disk_reads(data.base)
     out = subprocess.run(["fio", "--name=c", f"--filename={data.big}", f"--size={data.total}", "--rw=read",
                           f"--bs={size}", "--direct=1", "--ioengine=libaio", f"--iodepth={depth}",
                           "--output-format=json"], capture_output=True, text=True, check=True).stdout
-    d1 = disk_stats(data.base)
+    d1 = disk_reads(data.base)
     bw = sum(j["read"]["bw_bytes"] for j in json.loads(out[out.index("{"):])["jobs"]) / 1e9
     reqs = (d1[0] - d0[0]) if d0 and d1 else 0
     return bw, reqs / (data.total // size) if reqs else float("nan"), (d1[1] - d0[1]) * 512 / reqs / KIB if reqs else float("nan")

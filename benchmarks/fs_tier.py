@@ -55,7 +55,7 @@ if __package__ in (None, ""):  # `python benchmarks/fs_tier.py`: the project roo
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._fs_systems import (JOB, O_DIRECT, Device, JobFiles, JobFilesDirect, JobFilesPerBlock, JobFilesWillneed, Ours, Plain, Sequential, System,
-                                    aligned_buffer)
+                                    TierSystem, aligned_buffer, disk_reads)
 from benchmarks._table import format_table
 from manager import make_offload_key
 from manager.tiering.fs import FileSystemSecondaryTierManager
@@ -72,22 +72,7 @@ def drop_caches() -> str | None:
         return f"{type(exc).__name__}: {exc.strerror or exc}"
 
 
-def disk_reads(path: str) -> tuple[int, int] | None:
-    """(reads completed, sectors read) of the block device holding ``path``, from
-    /proc/diskstats (the whole device: other processes' reads count too), or None."""
-    dev = os.stat(path).st_dev
-    try:
-        with open("/proc/diskstats") as f:
-            for line in f:
-                p = line.split()
-                if int(p[0]) == os.major(dev) and int(p[1]) == os.minor(dev):
-                    return int(p[3]), int(p[5])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-class VLLM(System):
+class VLLM(TierSystem):
     name = "vLLM 0.33 FileSystemTierManager (16+16 threads)"
 
     def setup(self, root: str, host: np.ndarray) -> None:
@@ -123,15 +108,6 @@ class VLLM(System):
                 jobs.discard(r.job_id)
             if jobs:
                 time.sleep(0.0005)
-
-    def store(self, keys: list[bytes], n: int) -> None:
-        self._run(keys, n, False)
-
-    def load(self, keys: list[bytes], n: int) -> None:
-        self._run(keys, n, True)
-
-    def close(self) -> None:
-        self.tier.shutdown()
 
 
 def one_round(system: System, base: str, host: np.ndarray, ref: np.ndarray, keys: list[bytes]) -> dict[str, float]:

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from consumers.keys import _FAST, json_request
-from kvservice.schema import ApiError, ScoreRequest, decode, token_ids_of
+from .test_score_json import _msgspec_reads
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_c = pytest.mark.skipif(_FAST is None or not hasattr(_FAST, "score_json"), reason="the C extension is not in use")
@@ -83,17 +83,6 @@ def _local_answers(spec: dict) -> list:
     ns: dict = {"__name__": "edges_child"}
     exec(compile(_CHILD, "edges_child", "exec"), ns)
     return ns["answers"](spec)
-
-
-def _msgspec_reads(body: bytes):
-    try:
-        req = decode(body, ScoreRequest)
-        toks = token_ids_of(req)
-    except ApiError:
-        return None
-    if req.prompt is not None or req.messages is not None or req.load is not None or not toks:
-        return None
-    return req.model, req.lora_name, list(toks)
 
 
 DEFECTS = ["4294967296", "99999999999", "-1", "-0", "1.5", "1e3", "7E0", "01", "00", '"7"', "null", "[1]", "{}",
