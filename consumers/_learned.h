@@ -114,12 +114,7 @@ static uint32_t
 lt_compact_step(LearnedTable *m, uint32_t n)
 {
     uint32_t done = 0;
-    while (m->comp_on && done < n) {
-        if (m->comp_r == m->used) {
-            m->used = m->comp_w;
-            m->comp_on = 0;
-            break;
-        }
+    while (m->comp_on && done < n && m->comp_r < m->used) {
         LEntry *x = &m->ent[m->comp_r];
         if (x->tag != LT_DEAD) {
             if (m->comp_w != m->comp_r) {
