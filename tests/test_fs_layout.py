@@ -30,7 +30,7 @@ def payload(i: int) -> bytes:
 
 
 def tier_at(root: Path, io: NumpyBlockIO | None = None, **kw) -> FileSystemSecondaryTierManager:  # type: ignore[no-untyped-def]
-    t = SecondaryTierFactory.create_secondary_tier({"type": "fs", "root": str(root), **kw}, block_io=io)
+    t = SecondaryTierFactory.create_secondary_tier({"type": "fs", "root": str(root), "pack_blocks": 1, **kw}, block_io=io)
     assert isinstance(t, FileSystemSecondaryTierManager)
     return t
 

@@ -47,7 +47,7 @@ def host(n: int, aligned: bool) -> NumpyBlockIO:
 
 
 def tier_at(root: Path, io: BlockIO | None, **kw) -> FileSystemSecondaryTierManager:  # type: ignore[no-untyped-def]
-    t = SecondaryTierFactory.create_secondary_tier({"type": "fs", "root": str(root), **PATH, **kw}, block_io=io)
+    t = SecondaryTierFactory.create_secondary_tier({"type": "fs", "root": str(root), "pack_blocks": 1, **PATH, **kw}, block_io=io)
     assert isinstance(t, FileSystemSecondaryTierManager)
     assert t.stats()["native_io"] is PATH["native_io"]
     return t

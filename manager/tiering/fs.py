@@ -51,6 +51,7 @@ from kvevents.errors import ConfigError
 from ..base import LookupResult, OffloadKey, OffloadPolicy, ReqContext, RequestOffloadingContext
 from . import fs_io
 from .base import JobMetadata, JobResult, SecondaryTierManager
+from .fs_pack import MAX_PACK, MAX_PACK_BYTES, Pack, PackBuffers, pack_name, probe_punch, punch, read_run, write_pack
 from .fs_rw import OS_ERROR, BlockFilesIO, NativeFilesIO, PythonFilesIO
 from .fs_scan import OwnerLock, block_path, make_fanout_dirs, probe_block, scan_root
 
@@ -58,6 +59,16 @@ __all__ = ["FileSystemSecondaryTierManager"]
 
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 _MAX_ANSWERS = 65536  # bound on asynchronous lookup answers held for the next step
+_PACK_READS = ("auto", "direct", "buffered")
+#: ``pack_reads="auto"``: pack runs of blocks this large or larger are read with O_DIRECT (where
+#: the tier has it), smaller ones buffered (README "fs tier": measured at 64 and 256 KiB)
+DIRECT_RUN_MIN_BLOCK = 256 * 1024
+
+
+def _spans(n: int, threads: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` spans splitting ``n`` blocks into up to ``threads`` tasks (one, empty, for n = 0)."""
+    step = -(-n // max(1, min(threads, n))) if n else 1
+    return [(i, min(i + step, n)) for i in range(0, max(n, 1), step)]
 
 
 class _JobState:
@@ -87,6 +98,8 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         spread_dirs: bool = True,
         native_io: bool | None = None,
         offload_policy: str = "block_level",
+        pack_blocks: int = 64,
+        pack_reads: str = "auto",
         **kw: Any,
     ) -> None:
         if kw.get("store_policy") is None:
@@ -99,6 +112,10 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         for name, n in (("load_threads", load_threads), ("store_threads", store_threads)):
             if not isinstance(n, int) or n <= 0:
                 raise ConfigError(f"fs tier: {name} must be an int > 0, got {n!r}")
+        if not isinstance(pack_blocks, int) or not 1 <= pack_blocks <= MAX_PACK:
+            raise ConfigError(f"fs tier: pack_blocks must be an int in 1..{MAX_PACK}, got {pack_blocks!r}")
+        if pack_reads not in _PACK_READS:
+            raise ConfigError(f"fs tier: pack_reads must be one of {list(_PACK_READS)}, got {pack_reads!r}")
         if native_io and fs_io.native is None:
             raise ConfigError("fs tier: native_io=True, but the C extension manager.tiering._fsio is not built")
         try:
@@ -119,6 +136,14 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self.load_threads, self.store_threads = load_threads, store_threads
         self.o_direct = fs_io.probe_o_direct(self._root) if o_direct is None else bool(o_direct)
         self.crc_kind = fs_io.default_crc_kind()
+        # Packs (a store job's blocks in one file, fs_pack) where evicted units can be punched
+        # out; a shared root keeps a file per block (another tier's lookup probes a key's path).
+        self.punch_holes = pack_blocks > 1 and not shared_root and probe_punch(self._root)
+        self.pack_blocks = pack_blocks if self.punch_holes else 1
+        self.pack_reads = pack_reads
+        self._loc: dict[OffloadKey, tuple[Pack, int]] = {}  # packed keys -> (pack, unit)
+        self._pack_ids = count()
+        self._pack_bufs = PackBuffers()
         self._lock = threading.Condition()
         self._index: OrderedDict[OffloadKey, None] = OrderedDict()  # committed keys, LRU first
         self._writing: set[OffloadKey] = set()
@@ -149,6 +174,11 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self.scan_errors = 0  # entries the start-up scan could not read, move or delete
         self.migrated_files = 0  # block files of the previous layout moved to their new place
         self.payload_mismatches = 0  # files whose payload is not one block of block_io
+        self.packs = 0  # pack files holding live blocks
+        self.packs_written = 0
+        self.packs_removed = 0  # unlinked with their last live unit
+        self.units_punched = 0  # evicted or damaged pack units given back to the filesystem
+        self.punch_errors = 0  # punches or unlinks that failed (the space stays taken until a restart's scan)
         self.lookups_pending = 0  # lookups answered RETRY while a disk probe ran
         self.lookups_found_on_disk = 0  # probes that found a block written by another tier
         self._owner = OwnerLock(self._root)
@@ -173,26 +203,52 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         return block_path(self._root, key)
 
     def _delete_file(self, key: OffloadKey) -> None:
-        """(Lock held.) Queue the file's deletion: the unlink runs after the lock is released
+        """(Lock held.) Queue the block's deletion: its file's unlink, or its pack unit's punch
+        (the pack's unlink with its last live unit), runs after the lock is released
         (:meth:`_flush_deletes`), so a slow disk never holds the lock the scheduler's calls
         take. Until then the key is in ``_deleting`` and a store of it is left out."""
         self._deleting.add(key)
-        self._to_delete.append(key)
+        where = self._loc.pop(key, None)
+        if where is None:
+            self._to_delete.append((key, None, 0))
+        else:
+            self._drop_unit(key, *where)
+
+    def _drop_unit(self, key: OffloadKey | None, pack: Pack, unit: int) -> None:
+        """(Lock held.) Queue the punch of ``pack``'s ``unit`` (no longer counted live), or
+        the pack's unlink when it was the last live one."""
+        pack.live -= 1
+        if pack.live <= 0:
+            self.packs -= 1
+        self._to_delete.append((key, pack, unit if pack.live > 0 else -1))
 
     def _flush_deletes(self) -> None:
-        """(Lock not held.) Unlink the queued files."""
+        """(Lock not held.) Unlink the queued files, punch the queued pack units."""
         while True:
             with self._lock:
                 if not self._to_delete:
                     return
                 batch, self._to_delete = self._to_delete, []
-            for key in batch:
+            punched = removed = failed = 0
+            for key, pack, unit in batch:
                 try:
-                    os.unlink(self._file(key))
-                except OSError:
+                    if pack is None:
+                        os.unlink(self._file(key))  # type: ignore[arg-type]
+                    elif unit < 0:
+                        os.unlink(pack.path)
+                        removed += 1
+                    else:
+                        punch(pack.path, unit * pack.stride, pack.stride)
+                        punched += 1
+                except FileNotFoundError:
                     pass
+                except OSError:
+                    failed += pack is not None
             with self._lock:
-                self._deleting.difference_update(batch)
+                self._deleting.difference_update(k for k, _p, _u in batch if k is not None)
+                self.units_punched += punched
+                self.packs_removed += removed
+                self.punch_errors += failed
 
     def _recover(self) -> None:
         res = scan_root(self._root, self._owner)
@@ -201,8 +257,20 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self.scan_errors += res.errors
         self.migrated_files += res.migrated
         self._dirs.update(res.dirs)
-        for _, key in res.found:
+        packs = {path: Pack(path, stride, n, 0) for path, (stride, n) in res.packs.items()}
+        for _, key, where in res.found:
             self._index[key] = None
+            if where is not None:
+                pack = packs[where[0]]
+                pack.live += 1
+                self._loc[key] = (pack, where[1])
+        self.packs = sum(1 for p in packs.values() if p.live)
+        for key, where in res.shadowed:  # older copies of a key found twice: deleted
+            if where is None:
+                self._to_delete.append((key, None, 0))
+            else:
+                self._to_delete.append((None, packs[where[0]], where[1]))
+        self._to_delete.extend((None, p, -1) for p in packs.values() if not p.live)
         # Announce what was found, then drop what no longer fits (emits removals).
         self._emit(list(self._index), removed=False)
         self._evict_over_capacity()
@@ -266,30 +334,65 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
     def store_backlog(self) -> int:
         return self._backlog
 
+    def _pack_size(self) -> int:
+        """Blocks per pack file for a store job now (1: a file per block)."""
+        io = self.block_io
+        if self.pack_blocks == 1 or io is None or io.block_nbytes <= 0 or io.block_nbytes % fs_io.ALIGN:
+            return 1
+        return max(1, min(self.pack_blocks, MAX_PACK_BYTES // (fs_io.HEADER_SIZE + io.block_nbytes)))
+
     def submit_store(self, job: JobMetadata) -> None:
         with self._lock:
             self._backlog += len(job.keys)
-        self._submit(self._stores, self._rw.store_tasks, self._store_task, job)
+        n, size = len(job.keys), self._pack_size()
+        if size > 1:
+            self._submit(self._stores, job, [(self._store_pack_task, (lo, min(lo + size, n))) for lo in range(0, n, size)])
+        else:
+            self._submit(self._stores, job, [(self._store_task, span) for span in _spans(n, self._rw.store_tasks)])
 
     def submit_load(self, job: JobMetadata) -> None:
         with self._lock:
             for key in job.keys:
                 self._reading[key] = self._reading.get(key, 0) + 1
-        self._submit(self._loads, self._rw.load_tasks, self._load_task, job)
+            runs, files = self._plan_load(job)
+        tasks: list[tuple[Any, tuple[Any, ...]]] = [(self._load_run_task, run) for run in runs]
+        if files or not runs:
+            for lo, hi in _spans(len(files), self._rw.load_tasks):
+                tasks.append((self._load_task, (files[lo:hi],)))
+        self._submit(self._loads, job, tasks)
 
-    def _submit(self, pool: ThreadPoolExecutor, threads: int, fn: Any, job: JobMetadata) -> None:
-        n = len(job.keys)
-        ntasks = max(1, min(threads, n))
-        step = -(-n // ntasks) if n else 1
-        spans = [(i, min(i + step, n)) for i in range(0, max(n, 1), step)]
-        state = _JobState(job, len(spans))
+    def _plan_load(self, job: JobMetadata) -> tuple[list[tuple[Pack, int, list[int]]], list[int]]:
+        """(Lock held.) The job's packed blocks as runs of consecutive units of one pack
+        ``(pack, first unit, job indexes in unit order)`` (one file open, one read each), and
+        the job indexes of its block files."""
+        files: list[int] = []
+        by_pack: dict[Pack, list[tuple[int, int]]] = {}
+        loc = self._loc
+        for j, key in enumerate(job.keys):
+            where = loc.get(key)
+            if where is None:
+                files.append(j)
+            else:
+                by_pack.setdefault(where[0], []).append((where[1], j))
+        runs: list[tuple[Pack, int, list[int]]] = []
+        for pack, units in by_pack.items():
+            units.sort()
+            start = 0
+            for i in range(1, len(units) + 1):
+                if i == len(units) or units[i][0] != units[i - 1][0] + 1:
+                    runs.append((pack, units[start][0], [j for _u, j in units[start:i]]))
+                    start = i
+        return runs, files
+
+    def _submit(self, pool: ThreadPoolExecutor, job: JobMetadata, tasks: list[tuple[Any, tuple[Any, ...]]]) -> None:
+        state = _JobState(job, len(tasks))
         with self._lock:
             if self._closed:
-                self._finish(state, fail=True, blocks=n)
+                self._finish(state, fail=True, blocks=len(job.keys))
                 return
             self._in_flight += 1
-        for lo, hi in spans:
-            pool.submit(fn, state, lo, hi)
+        for fn, args in tasks:
+            pool.submit(fn, state, *args)
 
     def _task_done(self, state: _JobState, ok: bool, store_blocks: int = 0, loaded: int = 0) -> None:
         with self._lock:
@@ -367,12 +470,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         durable = True
         todo: list[tuple[OffloadKey, int]] = []
         try:
-            with self._lock:  # claim the task's keys at once (one lock round, not one per block)
-                for key, block_id in zip(job.keys[lo:hi], job.block_ids[lo:hi].tolist()):
-                    if key in self._index or key in self._writing or key in self._deleting:
-                        continue  # stored, being stored, or its old file not yet unlinked
-                    self._writing.add(key)
-                    todo.append((key, block_id))
+            todo = self._claim(job, lo, hi)
             items, failed = [], []
             for key, block_id in todo:
                 path = self._file(key)
@@ -396,11 +494,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                     self.store_errors += len(failed)
             durable = False
             for d in dirs:  # the renames themselves, durable before success is reported
-                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                self._sync_dir(d)
             durable = True
         except Exception:
             ok = False
@@ -418,19 +512,108 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                         self._delete_file(key)
             self._task_done(state, ok, hi - lo)
 
-    def _load_task(self, state: _JobState, lo: int, hi: int) -> None:
-        job = state.job
-        keys = job.keys[lo:hi]
+    def _claim(self, job: JobMetadata, lo: int, hi: int) -> list[tuple[OffloadKey, int]]:
+        """Claim a store task's keys at once (one lock round, not one per block): those not
+        stored, not being stored, and whose old file or unit is gone."""
+        todo = []
+        with self._lock:
+            for key, block_id in zip(job.keys[lo:hi], job.block_ids[lo:hi].tolist()):
+                if key in self._index or key in self._writing or key in self._deleting:
+                    continue
+                self._writing.add(key)
+                todo.append((key, block_id))
+        return todo
+
+    def _sync_dir(self, d: str) -> None:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            items = [(self._file(k), k, b) for k, b in zip(keys, job.block_ids[lo:hi].tolist())]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _store_pack_task(self, state: _JobState, lo: int, hi: int) -> None:
+        """Write the task's unclaimed blocks as one pack file (fs_pack.write_pack)."""
+        io = self.block_io
+        assert io is not None
+        todo: list[tuple[OffloadKey, int]] = []
+        pack: Pack | None = None
+        durable = False
+        try:
+            todo = self._claim(state.job, lo, hi)
+            if todo:
+                n = next(self._pack_ids)
+                sub = f"{n % 16:x}"  # (packs spread over the fan-out directories)
+                if sub not in self._dirs:
+                    os.makedirs(os.path.join(self._root, sub), exist_ok=True)
+                    self._dirs.add(sub)
+                path = os.path.join(self._root, sub, pack_name(self._token, n, len(todo)))
+                write_pack(f"{path}.tmp", path, [(k, io.read_block(b)) for k, b in todo], self._pack_bufs, self.o_direct,
+                           self.crc_kind, self.fsync)
+                pack = Pack(path, fs_io.HEADER_SIZE + io.block_nbytes, len(todo), len(todo))
+                if self.fsync:  # the rename itself, durable before success is reported
+                    self._sync_dir(os.path.dirname(path))
+            durable = True
+        except Exception:
+            pass
+        finally:
+            with self._lock:
+                keys = [k for k, _b in todo]
+                if pack is not None:
+                    self.packs += 1
+                    self.packs_written += 1
+                    for i, key in enumerate(keys):
+                        self._loc[key] = (pack, i)
+                if durable:
+                    state.parts[lo] = keys  # committed with the job's other tasks
+                else:
+                    self.store_errors += len(keys) or 1
+                    self._writing.difference_update(keys)
+                    for key in keys if pack is not None else ():  # written, not known durable: not claimed
+                        self._delete_file(key)
+            self._task_done(state, durable, hi - lo)
+
+    def _load_task(self, state: _JobState, idxs: list[int]) -> None:
+        job = state.job
+        keys = [job.keys[j] for j in idxs]
+        try:
+            items = [(self._file(k), k, int(job.block_ids[j])) for k, j in zip(keys, idxs)]
             outcomes = self._rw.load(items, self.block_io, lambda: not state.ok)
         except Exception:
             outcomes = []
+        self._loaded(state, keys, outcomes)
+
+    def _load_run_task(self, state: _JobState, pack: Pack, first: int, idxs: list[int]) -> None:
+        """Read a run of consecutive units of one pack (fs_pack.read_run)."""
+        job, io = state.job, self.block_io
+        keys = [job.keys[j] for j in idxs]
+        outcomes: list[str | None] = []
+        try:
+            if io is not None and state.ok:
+                nbytes = io.block_nbytes
+                direct = self.o_direct and (self.pack_reads == "direct"
+                                            or (self.pack_reads == "auto" and nbytes >= DIRECT_RUN_MIN_BLOCK))
+                slots = [io.writable_block(int(job.block_ids[j])) for j in idxs]
+                if all(s is not None for s in slots):
+                    outcomes = read_run(pack, first, list(zip(keys, slots)), nbytes, self._pack_bufs, direct)
+                else:  # a BlockIO without writable views: unit by unit through a bounce buffer
+                    for i, (key, j) in enumerate(zip(keys, idxs)):
+                        tmp = self._pack_bufs.bounce(nbytes)
+                        (reason,) = read_run(pack, first + i, [(key, tmp)], nbytes, self._pack_bufs, False)
+                        if reason is None:
+                            io.write_block(int(job.block_ids[j]), tmp)
+                        outcomes.append(reason)
+        except OSError:
+            outcomes = [OS_ERROR] * len(keys)
+        except Exception:
+            outcomes = []
+        self._loaded(state, keys, outcomes)
+
+    def _loaded(self, state: _JobState, keys: list[OffloadKey], outcomes: list[str | None]) -> None:
         for key, reason in zip(keys, outcomes):
             if reason is not None and reason != OS_ERROR:
                 self._load_failed(key, reason)
         done = outcomes.count(None)
-        self._task_done(state, done == hi - lo, loaded=done)
+        self._task_done(state, done == len(keys), loaded=done)
 
     def _load_failed(self, key: OffloadKey, reason: str) -> None:
         """A block file that is not a whole block of ``key``: dropped, with a removal."""
@@ -471,6 +654,9 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                 "scan_errors": self.scan_errors, "migrated_files": self.migrated_files, "o_direct": self.o_direct, "spread_dirs": self.spread_dirs,
                 "checksum": "crc32c" if self.crc_kind == fs_io.CRC_CRC32C else "crc32",
                 "native_io": isinstance(self._rw, NativeFilesIO),
+                "layout": "pack" if self.pack_blocks > 1 else "block", "pack_blocks": self.pack_blocks,
+                "packs": self.packs, "packs_written": self.packs_written, "packs_removed": self.packs_removed,
+                "units_punched": self.units_punched, "punch_errors": self.punch_errors,
             }
 
     def shutdown(self) -> None:

@@ -47,6 +47,7 @@ __all__ = [
     "HEADER_SIZE",
     "BlockFileError",
     "IOBuffers",
+    "check_block",
     "checksum_for",
     "crc32c",
     "crc32c_python",
@@ -264,6 +265,22 @@ def read_header(head: Any, key: bytes | None = None) -> tuple[bytes, int, int, i
     return stored, length, crc, kind
 
 
+def check_block(head: Any, key: bytes, payload: Any, nbytes: int, complete: bool, where: str) -> None:
+    """Check one block as read: its header page ``head`` names ``key`` with a payload of
+    ``nbytes`` bytes, the read was ``complete`` (header + whole payload, nothing missing or
+    trailing), and ``payload`` has the header's checksum; raises :class:`BlockFileError`.
+    Shared by block files and pack units (:mod:`manager.tiering.fs_pack`)."""
+    _k, length, crc, kind = read_header(head, key)
+    if length != nbytes:
+        raise BlockFileError("length", f"payload of {length} bytes, a block holds {nbytes}")
+    if not complete:
+        raise BlockFileError("short", f"{where} is not header + {nbytes} payload bytes")
+    fn = checksum_for(kind)
+    assert fn is not None  # read_header checked it
+    if fn(payload) != crc:
+        raise BlockFileError("checksum", where)
+
+
 def read_block_into(path: str, key: bytes, slot: memoryview | None, nbytes: int, bufs: IOBuffers,
                     direct: bool) -> memoryview | None:
     """Read the block file ``path`` of ``key`` (payload ``nbytes`` long) and check it.
@@ -294,15 +311,7 @@ def read_block_into(path: str, key: bytes, slot: memoryview | None, nbytes: int,
         os.close(fd)
     if got < HEADER_SIZE:
         raise BlockFileError("short", f"{got} bytes")
-    _k, length, crc, kind = read_header(bufs.header_view, key)
-    if length != nbytes:
-        raise BlockFileError("length", f"payload of {length} bytes, a block holds {nbytes}")
-    if not whole or got != HEADER_SIZE + nbytes:
-        raise BlockFileError("short", f"the file is not header + {nbytes} payload bytes")
-    fn = checksum_for(kind)
-    assert fn is not None  # read_header checked it
-    if fn(dest) != crc:
-        raise BlockFileError("checksum", path)
+    check_block(bufs.header_view, key, dest, nbytes, whole and got == HEADER_SIZE + nbytes, path)
     if slot is not None and dest is not slot:
         slot[:] = dest
         return None

@@ -2,7 +2,9 @@
 and the header probe used by asynchronous lookups.
 
 Layout: ``<root>/<1 hex>/<key hex>.blk`` block files (the fan-out directory is the key's
-first hex digit: 16 directories), ``<block name>.<token>.<n>.tmp`` temp files being written by
+first hex digit: 16 directories), ``<token>.<n>.<count>.kvp`` pack files (a store job's blocks,
+:mod:`manager.tiering.fs_pack`) in the same directories, ``<block name>.<token>.<n>.tmp`` and
+``<pack name>.tmp`` temp files being written by
 the tier whose token they carry, ``<root>/.owners/<token>.lock`` held (``flock``) by each live
 tier. The scan never follows a symlink, never leaves the root, and deletes only what is
 provably ours and dead: a temp file whose owner's lock is free, and a block file with our
@@ -28,6 +30,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from .fs_io import HEADER_SIZE, LEGACY_MAGIC, MAGIC, BlockFileError, read_header
+from .fs_pack import PACK_NAME, PACK_TMP_NAME, punch
 
 __all__ = [
     "FANOUT_DIRS", "OWNERS", "OwnerLock", "ScanResult", "block_path", "legacy_block_path", "make_fanout_dirs", "probe_block",
@@ -134,7 +137,10 @@ class OwnerLock:
 
 @dataclass(slots=True)
 class ScanResult:
-    found: list[tuple[float, bytes]] = field(default_factory=list)  # (mtime, key)
+    #: (mtime, key, where): where is None for a block file, else (pack path, unit index)
+    found: list[tuple[float, bytes, tuple[str, int] | None]] = field(default_factory=list)
+    packs: dict[str, tuple[int, int]] = field(default_factory=dict)  # pack path -> (stride, count)
+    shadowed: list[tuple[bytes, tuple[str, int] | None]] = field(default_factory=list)  # a key's older copies
     torn: int = 0  # ours but damaged (deleted)
     foreign: int = 0  # left alone: not ours
     errors: int = 0  # could not read, move or delete
@@ -207,8 +213,15 @@ def scan_root(root: str, owner: OwnerLock) -> ScanResult:
                 os.rmdir(sub.path)  # (only once empty: foreign files and live temp files stay)
             except OSError:
                 pass
-    # (a block in both layouts was moved over its copy: indexed once)
-    res.found = sorted({key: (mtime, key) for mtime, key in res.found}.values())
+    # One copy of each key: the newest (a block in both old and new block-file places was
+    # moved over its copy: the same file); the others are the tier's to delete.
+    newest: dict[bytes, tuple[float, bytes, tuple[str, int] | None]] = {}
+    for item in sorted(res.found, key=lambda f: (f[0], f[1])):
+        old = newest.get(item[1])
+        if old is not None and old[2] != item[2]:
+            res.shadowed.append((old[1], old[2]))
+        newest[item[1]] = item
+    res.found = sorted(newest.values(), key=lambda f: (f[0], f[1]))
     return res
 
 
@@ -217,10 +230,14 @@ def _scan_entry(root: str, sub: str, entry: os.DirEntry[str], legacy: bool, owne
         regular = entry.is_file(follow_symlinks=False)
     except OSError:
         regular = False
-    tmp = _TMP_NAME.fullmatch(entry.name)
+    tmp = _TMP_NAME.fullmatch(entry.name) or PACK_TMP_NAME.fullmatch(entry.name)
     if tmp is not None and regular:
         if tmp.group(1) is None or not owner.alive(tmp.group(1)):
             _unlink(entry.path, res)  # an interrupted write of a tier that is gone
+        return
+    pack = PACK_NAME.fullmatch(entry.name)
+    if pack is not None and regular and not legacy:
+        _scan_pack(entry.path, int(pack.group(3)), res)
         return
     m = _BLOCK_NAME.fullmatch(entry.name)
     if m is None or not regular or not m.group(1).startswith(sub):
@@ -230,7 +247,7 @@ def _scan_entry(root: str, sub: str, entry: os.DirEntry[str], legacy: bool, owne
     if state == "ours":
         if legacy and not _migrate(root, entry.path, key, res):  # type: ignore[arg-type]
             return
-        res.found.append((mtime, key))  # type: ignore[arg-type]
+        res.found.append((mtime, key, None))  # type: ignore[arg-type]
     elif state == "torn":
         res.torn += 1
         _unlink(entry.path, res)
@@ -238,6 +255,57 @@ def _scan_entry(root: str, sub: str, entry: os.DirEntry[str], legacy: bool, owne
         res.foreign += 1
     else:
         res.errors += 1
+
+
+def _scan_pack(path: str, count: int, res: ScanResult) -> None:
+    """Index a pack's live units; punch out damaged ones (counted torn), unlink a pack with
+    none left or of an impossible size. A unit that reads as zeros was evicted (punched)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        res.errors += 1
+        return
+    units: list[tuple[int, bytes]] = []
+    damaged: list[int] = []
+    try:
+        st = os.fstat(fd)
+        stride = st.st_size // count
+        if st.st_size % count or stride <= HEADER_SIZE or stride % HEADER_SIZE:
+            res.torn += 1  # ours by its name, not a whole pack: never renamed into place so
+            _unlink(path, res)
+            return
+        for i in range(count):
+            head = os.pread(fd, HEADER_SIZE, i * stride)
+            if head.count(0) == len(head):
+                continue  # evicted
+            try:
+                key, length, _crc, _kind = read_header(head)
+            except BlockFileError as exc:
+                if exc.reason == "unverifiable":
+                    res.foreign += 1  # a checksum this process cannot compute: left alone
+                    continue
+                damaged.append(i)
+                continue
+            if HEADER_SIZE + length != stride:
+                damaged.append(i)
+                continue
+            units.append((i, key))
+    except OSError:
+        res.errors += 1
+        return
+    finally:
+        os.close(fd)
+    res.torn += len(damaged)
+    if not units:
+        _unlink(path, res)
+        return
+    for i in damaged:
+        try:
+            punch(path, i * stride, stride)
+        except OSError:
+            res.errors += 1
+    res.packs[path] = (stride, count)
+    res.found.extend((st.st_mtime, key, (path, i)) for i, key in units)
 
 
 def _migrate(root: str, path: str, key: bytes, res: ScanResult) -> bool:
