@@ -27,13 +27,33 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 from ..base import BlockIO, OffloadKey
+from .base import JobMetadata
 from . import fs_io
+from .fs_pack import Pack, PackBuffers, read_run, write_pack
 
-__all__ = ["BlockFilesIO", "NativeFilesIO", "OS_ERROR", "PythonFilesIO"]
+__all__ = ["BlockFilesIO", "JobState", "NativeFilesIO", "OS_ERROR", "PythonFilesIO", "spans"]
 
 OS_ERROR = "os_error"
 LoadItem = tuple[str, OffloadKey, int]  # (path, key, block id)
 StoreItem = tuple[str, str, OffloadKey, int]  # (temp path, path, key, block id)
+
+
+def spans(n: int, threads: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` spans splitting ``n`` blocks into up to ``threads`` tasks (one, empty, for n = 0)."""
+    step = -(-n // max(1, min(threads, n))) if n else 1
+    return [(i, min(i + step, n)) for i in range(0, max(n, 1), step)]
+
+
+class JobState:
+    """A job in flight: its tasks left, whether all went well, and (stores) what each task wrote."""
+
+    __slots__ = ("job", "tasks_left", "ok", "parts")
+
+    def __init__(self, job: JobMetadata, tasks: int) -> None:
+        self.job = job
+        self.tasks_left = tasks
+        self.ok = True
+        self.parts: dict[int, list[OffloadKey]] = {}  # store: first index of a task -> keys it wrote
 
 
 class BlockFilesIO(ABC):
@@ -45,6 +65,7 @@ class BlockFilesIO(ABC):
 
     def __init__(self, direct: bool) -> None:
         self.direct = direct
+        self._pack_bufs = PackBuffers()  # (per thread)
 
     @abstractmethod
     def load(self, items: Sequence[LoadItem], io: BlockIO | None, stop: Callable[[], bool]) -> list[str | None]:
@@ -57,6 +78,33 @@ class BlockFilesIO(ABC):
 
     def close(self) -> None:  # noqa: B027 - default no-op
         """Release threads. Idempotent."""
+
+    # Packs (fs_pack): in Python on the calling thread, for both implementations: one
+    # pwritev / one file open per run, the GIL released in every read and write.
+
+    def store_pack(self, tmp: str, path: str, items: Sequence[tuple[OffloadKey, int]], io: BlockIO, crc_kind: int,
+                   sync: bool) -> None:
+        """Write the blocks ``items`` (key, block id) as the pack ``path``; raises OSError."""
+        write_pack(tmp, path, [(k, io.read_block(b)) for k, b in items], self._pack_bufs, self.direct, crc_kind, sync)
+
+    def load_run(self, pack: Pack, first: int, items: Sequence[tuple[OffloadKey, int]], io: BlockIO,
+                 direct: bool) -> list[str | None]:
+        """Read units ``first, first + 1, ...`` of ``pack`` into the slots of ``items`` (key,
+        block id): one outcome per unit, as :meth:`load`; ``direct``: one O_DIRECT read of the
+        run (the tier's ``o_direct`` permitting), else a buffered read per unit."""
+        nbytes = io.block_nbytes
+        slots = [io.writable_block(b) for _k, b in items]
+        if all(s is not None for s in slots):
+            return read_run(pack, first, [(k, s) for (k, _b), s in zip(items, slots)], nbytes, self._pack_bufs,
+                            direct and self.direct)
+        out: list[str | None] = []  # a BlockIO without writable views: unit by unit through a bounce buffer
+        for i, (key, block_id) in enumerate(items):
+            tmp = self._pack_bufs.bounce(nbytes)
+            (reason,) = read_run(pack, first + i, [(key, tmp)], nbytes, self._pack_bufs, False)
+            if reason is None:
+                io.write_block(block_id, tmp)
+            out.append(reason)
+        return out
 
 
 class PythonFilesIO(BlockFilesIO):

@@ -258,8 +258,10 @@ def _scan_entry(root: str, sub: str, entry: os.DirEntry[str], legacy: bool, owne
 
 
 def _scan_pack(path: str, count: int, res: ScanResult) -> None:
-    """Index a pack's live units; punch out damaged ones (counted torn), unlink a pack with
-    none left or of an impossible size. A unit that reads as zeros was evicted (punched)."""
+    """Index a pack's live units; punch out damaged or cut ones (counted torn), unlink a pack
+    with none left. A unit whose header page reads as zeros was evicted (punched). The stride
+    is unit 0's (header + payload length), or, where unit 0 was evicted, the file's size over
+    its count (a hole keeps the size); a pack that gives neither is dropped whole."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -269,12 +271,15 @@ def _scan_pack(path: str, count: int, res: ScanResult) -> None:
     damaged: list[int] = []
     try:
         st = os.fstat(fd)
-        stride = st.st_size // count
-        if st.st_size % count or stride <= HEADER_SIZE or stride % HEADER_SIZE:
-            res.torn += 1  # ours by its name, not a whole pack: never renamed into place so
+        stride = _pack_stride(os.pread(fd, HEADER_SIZE, 0), st.st_size, count)
+        if stride is None:
+            res.torn += 1
             _unlink(path, res)
             return
         for i in range(count):
+            if (i + 1) * stride > st.st_size:
+                damaged.append(i)  # cut short
+                continue
             head = os.pread(fd, HEADER_SIZE, i * stride)
             if head.count(0) == len(head):
                 continue  # evicted
@@ -283,8 +288,8 @@ def _scan_pack(path: str, count: int, res: ScanResult) -> None:
             except BlockFileError as exc:
                 if exc.reason == "unverifiable":
                     res.foreign += 1  # a checksum this process cannot compute: left alone
-                    continue
-                damaged.append(i)
+                else:
+                    damaged.append(i)
                 continue
             if HEADER_SIZE + length != stride:
                 damaged.append(i)
@@ -306,6 +311,20 @@ def _scan_pack(path: str, count: int, res: ScanResult) -> None:
             res.errors += 1
     res.packs[path] = (stride, count)
     res.found.extend((st.st_mtime, key, (path, i)) for i, key in units)
+
+
+def _pack_stride(head0: bytes, size: int, count: int) -> int | None:
+    if head0.count(0) != len(head0):
+        try:
+            _key, length, _crc, _kind = read_header(head0)
+        except BlockFileError:
+            return None
+        stride = HEADER_SIZE + length
+    elif size % count == 0:
+        stride = size // count
+    else:
+        return None
+    return stride if stride > HEADER_SIZE and stride % HEADER_SIZE == 0 else None
 
 
 def _migrate(root: str, path: str, key: bytes, res: ScanResult) -> bool:

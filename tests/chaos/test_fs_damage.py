@@ -1,5 +1,7 @@
-"""Damaged fs-tier block files, through the tier's public API: a restarted tier either misses a
-damaged block or loads exactly the bytes that were stored — never success with other bytes."""
+"""Damaged fs-tier block files and pack files, through the tier's public API: a restarted tier
+either misses a damaged block or loads exactly the bytes that were stored — never success with
+other bytes. 256-byte blocks are stored a file per block; 4 KiB blocks (a page multiple) in one
+pack file (``pack_blocks``)."""
 
 from __future__ import annotations
 
@@ -31,11 +33,11 @@ def _run(t, job, load=False):
     return [r for r in t.get_finished_jobs() if r.job_id == job.job_id][0]
 
 
-def _stored(root: Path) -> list[bytes]:
-    io = NumpyBlockIO.allocate(N, BLOCK)
+def _stored(root: Path, block: int = BLOCK) -> list[bytes]:
+    io = NumpyBlockIO.allocate(N, block)
     data = []
     for b in range(N):
-        d = bytes((b * 37 + i * 11) % 256 for i in range(BLOCK))
+        d = bytes((b * 37 + i * 11) % 256 for i in range(block))
         io.write_block(b, d)
         data.append(d)
     t = _tier(root, io)
@@ -59,9 +61,9 @@ def _damage(raw: bytes, rnd: random.Random) -> bytes:
     return rnd.randbytes(len(raw))
 
 
-def _check_no_wrong_hit(root: Path, data: list[bytes]) -> None:
-    sentinel = b"\xee" * BLOCK
-    io = NumpyBlockIO.allocate(N, BLOCK)
+def _check_no_wrong_hit(root: Path, data: list[bytes], block: int = BLOCK) -> None:
+    sentinel = b"\xee" * block
+    io = NumpyBlockIO.allocate(N, block)
     for b in range(N):
         io.write_block(b, sentinel)
     t = _tier(root, io)
@@ -77,18 +79,22 @@ def _check_no_wrong_hit(root: Path, data: list[bytes]) -> None:
         t.shutdown()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32))
-def test_damaged_block_files_are_misses_never_wrong_hits(tmp_path_factory, seed):
+@given(seed=st.integers(0, 2**32), packed=st.booleans())
+def test_damaged_block_files_are_misses_never_wrong_hits(tmp_path_factory, seed, packed):
     rnd = random.Random(seed)
     root = tmp_path_factory.mktemp("fs")
-    data = _stored(root)
+    block = 4096 if packed else BLOCK
+    data = _stored(root, block)
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    assert len(files) >= N
+    assert len(files) == (1 if packed else N) and all(p.suffix == (".kvp" if packed else ".blk") for p in files)
     for p in rnd.sample(files, rnd.randint(1, len(files))):
-        p.write_bytes(_damage(p.read_bytes(), rnd))
-    _check_no_wrong_hit(root, data)
+        raw = p.read_bytes()
+        for _ in range(rnd.randint(1, 3) if packed else 1):  # (a pack: damage in up to three places)
+            raw = _damage(raw, rnd)
+        p.write_bytes(raw)
+    _check_no_wrong_hit(root, data, block)
 
 
 def test_a_block_file_with_an_empty_payload_is_not_a_hit(tmp_path):

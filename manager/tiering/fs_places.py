@@ -1,0 +1,208 @@
+"""Where the fs tier's blocks live on disk: a file of their own, or a unit of a pack file
+(:mod:`manager.tiering.fs_pack`); the names of new files and temp files, the fan-out
+directories, and the deletions queued for after the tier's lock.
+
+Every method but :meth:`BlockPlaces.flush` runs with the tier's lock held; ``flush`` takes it
+itself around the queue, and does the unlinks and punches outside it, so that a slow disk
+never holds the lock the scheduler's calls take.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from itertools import count
+
+from kvevents.errors import ConfigError
+
+from ..base import BlockIO, OffloadKey
+from .fs_io import ALIGN, HEADER_SIZE
+from .fs_pack import MAX_PACK, MAX_PACK_BYTES, Pack, pack_name, probe_punch, punch
+from .fs_scan import ScanResult, block_path, make_fanout_dirs
+
+__all__ = ["BlockPlaces", "DIRECT_RUN_MIN_BLOCK", "Run", "check_pack_config", "sync_dir"]
+
+PACK_READS = ("auto", "direct", "buffered")
+#: ``pack_reads="auto"``: runs of pack units of blocks this large or larger are read with
+#: O_DIRECT (where the tier has it), smaller ones buffered (README "fs tier": measured at 64
+#: and 256 KiB)
+DIRECT_RUN_MIN_BLOCK = 256 * 1024
+
+Run = tuple[Pack, int, list[int]]  # (pack, first unit, job indexes in unit order)
+
+
+def check_pack_config(pack_blocks: object, pack_reads: object) -> None:
+    if not isinstance(pack_blocks, int) or isinstance(pack_blocks, bool) or not 1 <= pack_blocks <= MAX_PACK:
+        raise ConfigError(f"fs tier: pack_blocks must be an int in 1..{MAX_PACK}, got {pack_blocks!r}")
+    if pack_reads not in PACK_READS:
+        raise ConfigError(f"fs tier: pack_reads must be one of {list(PACK_READS)}, got {pack_reads!r}")
+
+
+def sync_dir(path: str) -> None:
+    """``fsync`` a directory: the entries made in it (renames) reach stable storage."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BlockPlaces:
+    """``pack_blocks`` > 1: store jobs of page-multiple blocks are packed, where the
+    filesystem can punch holes (probed once: ``punch_holes``); else a file per block."""
+
+    def __init__(self, root: str, token: str, sync: bool, pack_blocks: int = 1, pack_reads: str = "auto") -> None:
+        self.root = root
+        self.punch_holes = pack_blocks > 1 and probe_punch(root)
+        self.pack_blocks = pack_blocks if self.punch_holes else 1
+        self.pack_reads = pack_reads
+        self.token = token  # the owner token in this tier's temp file and pack names
+        self._tmp_ids = count()
+        self._pack_ids = count()
+        self.dirs: set[str] = set(make_fanout_dirs(root, sync))  # fan-out directories known to exist
+        self.units: dict[OffloadKey, tuple[Pack, int]] = {}  # packed keys -> (pack, unit); others have a file
+        #: evicted or damaged, the file not unlinked (or the unit not punched) yet: a store of
+        #: such a key is left out until then
+        self.deleting: set[OffloadKey] = set()
+        self._queue: list[tuple[OffloadKey | None, Pack | None, int]] = []  # (key, pack or None: its file, unit or -1: the pack)
+        self.packs = 0  # pack files holding live blocks
+        self.packs_written = 0
+        self.packs_removed = 0  # unlinked with their last live unit
+        self.units_punched = 0  # evicted or damaged pack units given back to the filesystem
+        self.punch_errors = 0  # punches or pack unlinks that failed (the space stays taken until a restart's scan)
+
+    def pack_size(self, io: BlockIO | None) -> int:
+        """Blocks per pack file for a store job now (1: a file per block)."""
+        if self.pack_blocks == 1 or io is None or io.block_nbytes <= 0 or io.block_nbytes % ALIGN:
+            return 1
+        return max(1, min(self.pack_blocks, MAX_PACK_BYTES // (HEADER_SIZE + io.block_nbytes)))
+
+    def direct_runs(self, nbytes: int) -> bool:
+        """Whether runs of pack units of ``nbytes``-byte blocks are read with O_DIRECT."""
+        return self.pack_reads == "direct" or (self.pack_reads == "auto" and nbytes >= DIRECT_RUN_MIN_BLOCK)
+
+    def file(self, key: OffloadKey) -> str:
+        """The block file of ``key`` (where it is not packed)."""
+        return block_path(self.root, key)
+
+    def _dir(self, sub: str) -> str:
+        """The fan-out directory ``sub``, created once per tier lifetime (not per block)."""
+        if sub not in self.dirs:
+            os.makedirs(os.path.join(self.root, sub), exist_ok=True)
+            self.dirs.add(sub)
+        return os.path.join(self.root, sub)
+
+    def file_targets(self, todo: Iterable[tuple[OffloadKey, int]]) -> tuple[list[tuple[str, str, OffloadKey, int]], list[OffloadKey]]:
+        """``(temp path, path, key, block id)`` to write each block of ``todo`` (key, block id)
+        as a file of its own, and the keys whose directory could not be made."""
+        items, failed = [], []
+        for key, block_id in todo:
+            path = self.file(key)
+            try:
+                self._dir(key[:1].hex()[:1])
+            except OSError:
+                failed.append(key)
+                continue
+            items.append((f"{path}.{self.token}.{next(self._tmp_ids)}.tmp", path, key, block_id))
+        return items, failed
+
+    def new_pack_path(self, units: int) -> str:
+        """A fresh pack file name (packs spread over the fan-out directories); OSError where
+        its directory cannot be made."""
+        n = next(self._pack_ids)
+        return os.path.join(self._dir(f"{n % 16:x}"), pack_name(self.token, n, units))
+
+    def add_pack(self, pack: Pack, keys: Sequence[OffloadKey]) -> None:
+        """A pack just written, unit i holding ``keys[i]``."""
+        self.packs += 1
+        self.packs_written += 1
+        for i, key in enumerate(keys):
+            self.units[key] = (pack, i)
+
+    def delete(self, key: OffloadKey) -> None:
+        """Queue the block's deletion: its file's unlink, or its pack unit's punch (the pack's
+        unlink with its last live unit)."""
+        self.deleting.add(key)
+        where = self.units.pop(key, None)
+        if where is None:
+            self._queue.append((key, None, 0))
+        else:
+            self._drop_unit(key, *where)
+
+    def _drop_unit(self, key: OffloadKey | None, pack: Pack, unit: int) -> None:
+        pack.live -= 1
+        if pack.live <= 0:
+            self.packs -= 1
+        self._queue.append((key, pack, unit if pack.live > 0 else -1))
+
+    def flush(self, lock: threading.Condition) -> None:
+        """(Lock not held.) Unlink the queued files, punch the queued units."""
+        while True:
+            with lock:
+                if not self._queue:
+                    return
+                batch, self._queue = self._queue, []
+            punched = removed = failed = 0
+            for key, pack, unit in batch:
+                try:
+                    if pack is None:
+                        os.unlink(self.file(key))  # type: ignore[arg-type]
+                    elif unit < 0:
+                        os.unlink(pack.path)
+                        removed += 1
+                    else:
+                        punch(pack.path, unit * pack.stride, pack.stride)
+                        punched += 1
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    failed += pack is not None
+            with lock:
+                self.deleting.difference_update(k for k, _p, _u in batch if k is not None)
+                self.units_punched += punched
+                self.packs_removed += removed
+                self.punch_errors += failed
+
+    def recover(self, res: ScanResult) -> list[OffloadKey]:
+        """Take a start-up scan's blocks: their keys, oldest first; older copies of a key found
+        twice, and packs left with no live unit, are queued for deletion."""
+        packs = {path: Pack(path, stride, n, 0) for path, (stride, n) in res.packs.items()}
+        keys = []
+        for _mtime, key, where in res.found:
+            keys.append(key)
+            if where is not None:
+                pack = packs[where[0]]
+                pack.live += 1
+                self.units[key] = (pack, where[1])
+        self.packs = sum(1 for p in packs.values() if p.live)
+        for key, where in res.shadowed:
+            self._queue.append((key, None, 0) if where is None else (None, packs[where[0]], where[1]))
+        self._queue.extend((None, p, -1) for p in packs.values() if not p.live)
+        return keys
+
+    def plan_load(self, keys: Iterable[OffloadKey]) -> tuple[list[Run], list[int]]:
+        """A load job's packed blocks as runs of consecutive units of one pack (one file open,
+        one read each), and the indexes of its blocks that have a file of their own."""
+        files: list[int] = []
+        by_pack: dict[Pack, list[tuple[int, int]]] = {}
+        units = self.units
+        for j, key in enumerate(keys):
+            where = units.get(key)
+            if where is None:
+                files.append(j)
+            else:
+                by_pack.setdefault(where[0], []).append((where[1], j))
+        runs: list[Run] = []
+        for pack, found in by_pack.items():
+            found.sort()
+            start = 0
+            for i in range(1, len(found) + 1):
+                if i == len(found) or found[i][0] != found[i - 1][0] + 1:
+                    runs.append((pack, found[start][0], [j for _u, j in found[start:i]]))
+                    start = i
+        return runs, files
+
+    def stats(self) -> dict[str, int | str]:
+        return {"layout": "pack" if self.pack_blocks > 1 else "block", "pack_blocks": self.pack_blocks, "packs": self.packs, "packs_written": self.packs_written, "packs_removed": self.packs_removed,
+                "units_punched": self.units_punched, "punch_errors": self.punch_errors}
