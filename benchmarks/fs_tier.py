@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of ours, vllm, plain, device, ceiling, jobfiles (default %(default)s)")
     ap.add_argument("--ours", action="append", default=[],
                     help="extra configs of ours to compare, e.g. load_threads=8,store_threads=4 (repeatable)")
+    ap.add_argument("--per-round", action="store_true", help="print every round's cold load and the median")
     args = ap.parse_args(argv)
     base = args.dir or tempfile.mkdtemp(prefix="fs_tier-", dir="/var/tmp")
     systems: list[System] = []
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg: dict[str, Any] = {}
         for kv in spec.split(","):
             k, v = kv.split("=")
-            cfg[k] = None if v == "None" else (v == "True" if v in ("True", "False") else int(v))
+            cfg[k] = None if v == "None" else (v == "True" if v in ("True", "False") else int(v) if v.isdigit() else v)
         systems.append(Ours(**cfg))
     if "vllm" in want:
         try:
@@ -253,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(title, ["system", "store GB/s", "store + sync GB/s", "cold load GB/s", "disk reads / block",
                                    "bytes read / stored", "load CPU s / GB"], rows))
         summarize(best, rounds)
+        if args.per_round:
+            print("  cold load GB/s per round (round i of every system ran back to back), median:")
+            for s in systems:
+                loads = [r["load"] for r in rounds[s.name]]
+                print(f"    {s.name:<50} {' '.join(f'{v:5.2f}' for v in loads)}   {sorted(loads)[len(loads) // 2]:5.2f}")
     print("page cache: " + ("; ".join(sorted(notes)) if notes else
                             "dropped before every load (as root: sync; echo 3 > /proc/sys/vm/drop_caches)"))
     if not args.dir:

@@ -283,6 +283,8 @@ def tiers() -> Board:
                  [(f"sum by (tier) ({metric('kvevents.manager.store.backlog')}{{{s}}})", "{{tier}}")])
     b.timeseries("Pending lookups /s (asked again next step)",
                  [(rate("kvevents.manager.lookups.pending", s, by="tier"), "{{tier}}")], unit="ops")
+    b.timeseries("Tier faults /s by kind (damaged files dropped, failed writes, space not given back)",
+                 [(rate("kvevents.manager.tier.faults", s, by="tier, kind"), "{{tier}} {{kind}}")], unit="ops")
     b.row("Transfer jobs")
     b.timeseries("Job latency p50 / p99", [
         (quantile(0.5, "kvevents.manager.job.duration", s, by="tier, direction"), "p50 {{tier}} {{direction}}"),

@@ -45,6 +45,12 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("kvevents.manager.lookups.pending", COUNTER, "{lookup}",
        "Secondary-tier lookups answered pending (an asynchronous lookup in flight: asked again next step).",
        _MT, "manager", "secondary tier .lookups_pending"),
+    _m("kvevents.manager.tier.faults", COUNTER, "{fault}",
+       "A secondary tier's faults by kind: store_error (a block not written), load_error (a load job failed), "
+       "corrupt (a damaged file or pack unit dropped), scan_error (an entry the start-up scan could not read or "
+       "delete), punch_error (an evicted pack unit or pack whose space could not be given back).",
+       ("engine", "tier", "kind"), "manager",
+       "secondary tier stats()['store_errors'|'load_errors'|'corrupt_files'|'scan_errors'|'punch_errors']"),
     _m("kvevents.manager.job.failures", COUNTER, "{job}", "Transfer jobs that failed.",
        _MTD, "manager", "transfer-job hook (TransferResult/JobResult success=False)"),
     _m("kvevents.manager.job.duration", HISTOGRAM, "s",

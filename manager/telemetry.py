@@ -307,6 +307,18 @@ def observe_manager(mgr: Any, tier_names: list[str] | None = None, meter: Meter 
             lambda: [(p.ok_blocks["store"], A[p.tier]) for p in probes if p.kind == "tier"])
     obs.add(meter, "kvevents.manager.stores.skipped", lambda: tier_counter("blocks_skipped", lambda p: None))
     obs.add(meter, "kvevents.manager.lookups.pending", lambda: tier_counter("lookups_pending", lambda p: None))
+    faults = {"store_error": "store_errors", "load_error": "load_errors", "corrupt": "corrupt_files",
+              "scan_error": "scan_errors", "punch_error": "punch_errors"}
+    FA = {(n, k): {"engine": engine, "tier": n, "kind": k} for n in names[1:] for k in faults}
+
+    def tier_faults():
+        out = []
+        for t, n in zip(tiers, names[1:]):
+            st = t.stats() if hasattr(t, "stats") else {}
+            out += [(st[key], FA[(n, kind)]) for kind, key in faults.items() if isinstance(st.get(key), int)]
+        return out
+
+    obs.add(meter, "kvevents.manager.tier.faults", tier_faults)
     obs.add(meter, "kvevents.manager.store.backlog",
             lambda: [(t.store_backlog(), A[n]) for t, n in zip(tiers, names[1:]) if hasattr(t, "store_backlog")])
     ea = {"engine": engine}

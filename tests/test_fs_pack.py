@@ -71,13 +71,12 @@ def zeroed(path: Path, unit: int) -> bool:
         return f.read(STRIDE) == bytes(STRIDE)
 
 
-@pytest.mark.parametrize("reads", ["buffered", "direct"])
-@pytest.mark.parametrize("o_direct", [True, False], ids=["o_direct", "no_o_direct"])
-def test_a_job_is_one_pack_and_loads_in_any_order(tmp_path: Path, reads: str, o_direct: bool) -> None:
+@pytest.mark.parametrize("o_direct", [True, False], ids=["o_direct", "buffered"])
+def test_a_job_is_one_pack_and_loads_in_any_order(tmp_path: Path, o_direct: bool) -> None:
     if o_direct and not probe_o_direct(str(tmp_path)):
         pytest.skip("this filesystem refuses O_DIRECT")
     io = filled(12)
-    t = tier_at(tmp_path, io, o_direct=o_direct, pack_blocks=5, pack_reads=reads)
+    t = tier_at(tmp_path, io, o_direct=o_direct, pack_blocks=5)
     assert t.stats()["layout"] == "pack" and t.stats()["pack_blocks"] == 5
     assert store(t, 1, range(12)).success
     files = packs(tmp_path)
@@ -246,6 +245,7 @@ def test_where_a_file_per_block_is_kept(tmp_path: Path, monkeypatch: pytest.Monk
         "shared": (tier_at(tmp_path / "shared", filled(2), shared_root=True), BLOCK),
         "one": (tier_at(tmp_path / "one", filled(2), pack_blocks=1), BLOCK),
         "unaligned": (tier_at(tmp_path / "unaligned", NumpyBlockIO.allocate(2, 1000)), 1000),
+        "big": (tier_at(tmp_path / "big", filled(2), pack_below=BLOCK), BLOCK),  # blocks of pack_below bytes or more
         "metadata": (tier_at(tmp_path / "metadata", None), 0),
     }
     monkeypatch.setattr(fs_places, "probe_punch", lambda d: False)
@@ -253,11 +253,12 @@ def test_where_a_file_per_block_is_kept(tmp_path: Path, monkeypatch: pytest.Monk
     for name, (t, _n) in cases.items():
         assert store(t, 1, range(2)).success, name
         assert not list((tmp_path / name).rglob("*.kvp")) and len(list((tmp_path / name).rglob("*.blk"))) == 2, name
-        assert t.stats()["layout"] == ("pack" if name in ("unaligned", "metadata") else "block"), name
+        assert t.stats()["layout"] == ("pack" if name in ("unaligned", "metadata", "big") else "block"), name
         t.shutdown()
 
 
-@pytest.mark.parametrize("bad", [{"pack_blocks": 0}, {"pack_blocks": 513}, {"pack_blocks": "8"}, {"pack_reads": "mmap"}])
+@pytest.mark.parametrize("bad", [{"pack_blocks": 0}, {"pack_blocks": 513}, {"pack_blocks": "8"}, {"pack_blocks": True},
+                                 {"pack_below": -1}, {"pack_below": "256k"}])
 def test_bad_pack_config_is_a_clear_error(tmp_path: Path, bad: dict) -> None:
     name = next(iter(bad))
     with pytest.raises(ConfigError, match=name):

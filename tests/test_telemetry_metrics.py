@@ -123,6 +123,10 @@ def test_metrics_reflect_the_counters(stack):
     assert p[("kvevents.manager.job.failures", E("CPU", direction="store"))] == 0
     jobs, _ = p[("kvevents.manager.job.duration", E("CPU", direction="store"))]
     assert jobs == engine.connector.store_jobs
+    for kind, key in (("store_error", "store_errors"), ("corrupt", "corrupt_files"), ("punch_error", "punch_errors")):
+        assert p[("kvevents.manager.tier.faults", E("STORAGE", kind=kind))] == fs.stats()[key] == 0
+    fs.corrupt_files += 2  # (as two damaged files found would)
+    assert points(reader)[("kvevents.manager.tier.faults", E("STORAGE", kind="corrupt"))] == 2
     assert p[("kvevents.manager.steps", (("engine", "e0"),))] == engine.connector.steps
     assert p[("kvevents.engine.tokens", (("engine", "e0"), ("kind", "computed")))] == engine.computed_tokens
 

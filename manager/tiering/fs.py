@@ -6,10 +6,9 @@ start-up scan; ``spread_dirs`` marks the root ``chattr +T`` so ext4 spreads them
 groups, ``fs_io.spread_directories``) and :mod:`manager.tiering.fs_places` (which file holds a block).
 
 * Layout: with ``pack_blocks`` > 1 (default 64) where the filesystem punches holes and the root
-  is not shared, a store job's page-multiple blocks go in one pack file
-  (:mod:`manager.tiering.fs_pack`), read back a run of units per file open (``pack_reads``:
-  buffered below 256 KiB blocks, ``O_DIRECT`` from there, by measurement); an evicted block's
-  unit is punched out. Otherwise a file per block.
+  is not shared, a store job's page-multiple blocks under ``pack_below`` bytes (256 KiB) go in
+  one pack file (:mod:`manager.tiering.fs_pack`), read back a run of units per file open and
+  read; an evicted block's unit is punched out. Otherwise a file per block.
 * Loads read header + payload straight into the primary's slot (``O_DIRECT`` where the
   filesystem takes it; ``o_direct`` forces it on or off) and check the CRC over the slot. A
   missing, torn, corrupt or mismatched file or unit fails the job (never a hit with wrong or
@@ -50,7 +49,7 @@ from . import fs_io
 from .base import JobMetadata, JobResult, SecondaryTierManager
 from .fs_pack import Pack
 from .fs_lookup import DiskLookups
-from .fs_places import BlockPlaces, check_pack_config, sync_dir
+from .fs_places import PACK_BELOW, BlockPlaces, check_pack_config, sync_dir
 from .fs_rw import OS_ERROR, BlockFilesIO, JobState, NativeFilesIO, PythonFilesIO, spans
 from .fs_scan import OwnerLock, block_path, probe_block, scan_root
 
@@ -77,7 +76,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         native_io: bool | None = None,
         offload_policy: str = "block_level",
         pack_blocks: int = 64,
-        pack_reads: str = "auto",
+        pack_below: int = PACK_BELOW,
         **kw: Any,
     ) -> None:
         if kw.get("store_policy") is None:
@@ -90,7 +89,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         for name, n in (("load_threads", load_threads), ("store_threads", store_threads)):
             if not isinstance(n, int) or n <= 0:
                 raise ConfigError(f"fs tier: {name} must be an int > 0, got {n!r}")
-        check_pack_config(pack_blocks, pack_reads)
+        check_pack_config(pack_blocks, pack_below)
         if native_io and fs_io.native is None:
             raise ConfigError("fs tier: native_io=True, but the C extension manager.tiering._fsio is not built")
         try:
@@ -139,7 +138,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self._owner = OwnerLock(self._root)
         self._token = self._owner.token
         # (under _lock) which file or pack unit holds each block
-        self._places = BlockPlaces(self._root, self._token, fsync, pack_blocks if not shared_root else 1, pack_reads)
+        self._places = BlockPlaces(self._root, self._token, fsync, pack_blocks if not shared_root else 1, pack_below)
         self.pack_blocks = self._places.pack_blocks
         self._deleting = self._places.deleting  # evicted or damaged, not unlinked / punched yet
         self._recover()
@@ -426,7 +425,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         try:
             if io is not None and state.ok:
                 items = [(k, int(job.block_ids[j])) for k, j in zip(keys, idxs)]
-                outcomes = self._rw.load_run(pack, first, items, io, self._places.direct_runs(io.block_nbytes))
+                outcomes = self._rw.load_run(pack, first, items, io)
         except OSError:
             outcomes = [OS_ERROR] * len(keys)
         except Exception:

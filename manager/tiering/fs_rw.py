@@ -87,16 +87,15 @@ class BlockFilesIO(ABC):
         """Write the blocks ``items`` (key, block id) as the pack ``path``; raises OSError."""
         write_pack(tmp, path, [(k, io.read_block(b)) for k, b in items], self._pack_bufs, self.direct, crc_kind, sync)
 
-    def load_run(self, pack: Pack, first: int, items: Sequence[tuple[OffloadKey, int]], io: BlockIO,
-                 direct: bool) -> list[str | None]:
+    def load_run(self, pack: Pack, first: int, items: Sequence[tuple[OffloadKey, int]], io: BlockIO) -> list[str | None]:
         """Read units ``first, first + 1, ...`` of ``pack`` into the slots of ``items`` (key,
-        block id): one outcome per unit, as :meth:`load`; ``direct``: one O_DIRECT read of the
-        run (the tier's ``o_direct`` permitting), else a buffered read per unit."""
+        block id): one outcome per unit, as :meth:`load`; with ``O_DIRECT`` one read of the
+        whole run, else a buffered read per unit."""
         nbytes = io.block_nbytes
         slots = [io.writable_block(b) for _k, b in items]
         if all(s is not None for s in slots):
             return read_run(pack, first, [(k, s) for (k, _b), s in zip(items, slots)], nbytes, self._pack_bufs,
-                            direct and self.direct)
+                            self.direct)
         out: list[str | None] = []  # a BlockIO without writable views: unit by unit through a bounce buffer
         for i, (key, block_id) in enumerate(items):
             tmp = self._pack_bufs.bounce(nbytes)
