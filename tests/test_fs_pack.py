@@ -199,6 +199,12 @@ def test_the_scan_drops_damaged_and_cut_units_and_impossible_packs(tmp_path: Pat
     assert t2.corrupt_files == 3 and not c.exists() and zeroed(a, 1)
     assert load(t2, 1, [0, 2, 3, 4, 5, 6], list(range(6))).success
     t2.shutdown()
+    raw = bytearray(a.read_bytes())
+    raw[30] ^= 0xFF  # unit 0's header damaged: the stride comes from the size, the rest stays
+    a.write_bytes(bytes(raw))
+    t3 = tier_at(tmp_path, NumpyBlockIO.allocate(12, BLOCK), pack_blocks=4)
+    assert t3.cached_keys() == {K(b) for b in (2, 3, 4, 5, 6)} and t3.corrupt_files == 1 and zeroed(a, 0)
+    t3.shutdown()
 
 
 def test_a_key_in_two_packs_is_indexed_once_and_the_older_copy_dropped(tmp_path: Path) -> None:

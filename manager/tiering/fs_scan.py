@@ -260,8 +260,9 @@ def _scan_entry(root: str, sub: str, entry: os.DirEntry[str], legacy: bool, owne
 def _scan_pack(path: str, count: int, res: ScanResult) -> None:
     """Index a pack's live units; punch out damaged or cut ones (counted torn), unlink a pack
     with none left. A unit whose header page reads as zeros was evicted (punched). The stride
-    is unit 0's (header + payload length), or, where unit 0 was evicted, the file's size over
-    its count (a hole keeps the size); a pack that gives neither is dropped whole."""
+    is unit 0's (header + payload length), or, where unit 0 was evicted or is damaged, the
+    file's size over its count (a hole keeps the size); a pack that gives neither is dropped
+    whole."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -304,27 +305,27 @@ def _scan_pack(path: str, count: int, res: ScanResult) -> None:
     if not units:
         _unlink(path, res)
         return
-    for i in damaged:
-        try:
+    try:
+        if st.st_size < count * stride:  # cut short: the missing tail becomes a hole (units that read as evicted)
+            os.truncate(path, count * stride)
+        for i in damaged:
             punch(path, i * stride, stride)
-        except OSError:
-            res.errors += 1
+    except OSError:
+        res.errors += 1
     res.packs[path] = (stride, count)
     res.found.extend((st.st_mtime, key, (path, i)) for i, key in units)
 
 
 def _pack_stride(head0: bytes, size: int, count: int) -> int | None:
+    stride = None
     if head0.count(0) != len(head0):
         try:
-            _key, length, _crc, _kind = read_header(head0)
+            stride = HEADER_SIZE + read_header(head0)[1]
         except BlockFileError:
-            return None
-        stride = HEADER_SIZE + length
-    elif size % count == 0:
+            pass  # unit 0 damaged: the size may still tell
+    if stride is None and size % count == 0:
         stride = size // count
-    else:
-        return None
-    return stride if stride > HEADER_SIZE and stride % HEADER_SIZE == 0 else None
+    return stride if stride is not None and stride > HEADER_SIZE and stride % HEADER_SIZE == 0 else None
 
 
 def _migrate(root: str, path: str, key: bytes, res: ScanResult) -> bool:
