@@ -18,9 +18,12 @@ from manager.tiering import JobMetadata, JobResult, SecondaryTierFactory, fs_pac
 from manager.tiering import fs_places, fs_rw
 from manager.tiering.fs import FileSystemSecondaryTierManager
 from manager.tiering.fs_io import HEADER_SIZE, probe_o_direct
+from tests.test_manager_fs_direct import BLOCK as DIRECT_BLOCK
+from tests.test_manager_fs_direct import CopyOnlyIO
 
 BLOCK = 8192  # two pages: packable and O_DIRECT-able
 STRIDE = HEADER_SIZE + BLOCK
+assert DIRECT_BLOCK == BLOCK
 
 pytestmark = pytest.mark.skipif(not fs_pack.probe_punch("/tmp"), reason="this filesystem cannot punch holes")
 
@@ -271,24 +274,9 @@ def test_bad_pack_config_is_a_clear_error(tmp_path: Path, bad: dict) -> None:
         tier_at(tmp_path, None, **bad)
 
 
-class CopyOnlyIO(BlockIO):
-    """A BlockIO without a writable view: the tier reads into its own buffer, then copies."""
-
-    def __init__(self, n: int) -> None:
-        self.inner = filled(n)
-        self.block_nbytes = BLOCK
-        self.writes = 0
-
-    def read_block(self, block_id: int) -> memoryview:
-        return self.inner.read_block(block_id)
-
-    def write_block(self, block_id: int, data) -> None:  # type: ignore[no-untyped-def]
-        self.writes += 1
-        self.inner.write_block(block_id, data)
-
-
 def test_a_block_io_without_writable_views(tmp_path: Path) -> None:
-    io = CopyOnlyIO(4)
+    io = CopyOnlyIO(4)  # (test_manager_fs_direct's: the same 8 KiB blocks)
+    io.inner.array[:] = filled(4).array
     t = tier_at(tmp_path, io, pack_blocks=4)
     assert store(t, 1, range(2)).success and len(packs(tmp_path)) == 1
     assert load(t, 2, [1, 0], [2, 3]).success

@@ -58,6 +58,7 @@ __all__ = [
     "read_header",
     "spread_directories",
     "write_block_file",
+    "write_renamed",
 ]
 
 MAGIC = b"KVB2"
@@ -331,11 +332,18 @@ def write_block_file(tmp: str, path: str, key: bytes, payload: Any, bufs: IOBuff
         else:
             src = bufs.bounce(len(payload))
             src[:] = payload
+    write_renamed(tmp, path, [bufs.header_view, src], direct, sync)
+
+
+def write_renamed(tmp: str, path: str, iov: list[Any], direct: bool, sync: bool) -> None:
+    """Write ``iov`` with one ``pwritev`` into the new file ``tmp`` (``O_EXCL``; ``O_DIRECT``
+    if ``direct``), ``fdatasync`` it if ``sync``, and rename it to ``path``: a reader sees no
+    file or a whole one. A short write is ENOSPC; on any error no temp file is left behind."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0), 0o644)
     try:
         try:
-            want = HEADER_SIZE + len(payload)
-            n = os.pwritev(fd, [bufs.header_view, src], 0)
+            want = sum(len(v) for v in iov)
+            n = os.pwritev(fd, iov, 0)
             if n != want:  # a short write: the disk is full
                 raise OSError(errno.ENOSPC, f"short write: {n} of {want} bytes", tmp)
             if sync:

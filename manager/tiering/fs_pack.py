@@ -33,7 +33,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from .fs_io import ALIGN, HEADER_SIZE, O_DIRECT, BlockFileError, aligned, build_header, check_block
+from .fs_io import ALIGN, HEADER_SIZE, O_DIRECT, BlockFileError, aligned, build_header, check_block, write_renamed
 
 __all__ = [
     "MAX_PACK", "PACK_NAME", "PACK_TMP_NAME", "Pack", "PackBuffers", "pack_name", "probe_punch", "punch", "read_run",
@@ -154,24 +154,7 @@ def write_pack(tmp: str, path: str, blocks: Sequence[tuple[bytes, Any]], bufs: P
         iov += (head, payload)
         if direct and not aligned(payload):
             direct = False  # (the whole pack buffered: no bounce copy of every block)
-    want = sum(len(v) for v in iov)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0), 0o644)
-    try:
-        try:
-            n = os.pwritev(fd, iov, 0)
-            if n != want:  # a short write: the disk is full
-                raise OSError(errno.ENOSPC, f"short write: {n} of {want} bytes", tmp)
-            if sync:
-                os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_renamed(tmp, path, iov, direct, sync)
 
 
 def read_run(pack: Pack, first: int, units: Sequence[tuple[bytes, Any]], nbytes: int, bufs: PackBuffers,
