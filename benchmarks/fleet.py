@@ -1,10 +1,11 @@
 """The event plane, measured: engine -> bridge -> JetStream -> router replica, vs direct ZeroMQ.
 
     python benchmarks/fleet.py [--quick] [--only-rate] [--events 16 ...] [--rounds R] [--batches N] [--pack P]
-                               [--no-warmup] [--server-env NAME=VALUE]
+                               [--no-warmup] [--server-env NAME=VALUE] [--plain-server]
 
 Needs nats-server (Debian's) on PATH or in /usr/sbin; starts its own on a free loopback port
-with file storage in a temporary directory.
+with file storage in a temporary directory, in the broker environment the README recommends
+(``GODEBUG=madvdontneed=0``: kvevents.transport.nats.broker; ``--plain-server`` without it).
 
 1. Throughput: an engine process publishes N batches (default 40,000, so that most of the run is
    past the replay ring's first fill) of E GPU events as fast as it can
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._table import print_table  # noqa: E402
+from kvevents.transport.nats.broker import broker_env, find_nats_server  # noqa: E402
 
 
 TARGET_RATE = 500_000  #: events/s end to end (issue 12)
@@ -70,18 +72,17 @@ def payloads(n: int, events: int, start: int = 0, ts: float | None = None) -> li
 
 class Server:
     def __init__(self, env: dict[str, str] | None = None) -> None:
-        exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
-        if not os.path.exists(exe):
+        exe = find_nats_server()
+        if exe is None:
             sys.exit("benchmarks/fleet.py needs nats-server (apt-get install nats-server)")
         self.tmp = Path(tempfile.mkdtemp(prefix="kvfleet-"))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"nats://127.0.0.1:{self.port}"
-        self.env = dict(env or {})  #: extra environment of the server process (Go runtime settings)
+        self.env = dict(os.environ if env is None else env)  #: the server process's environment
         self.proc = subprocess.Popen([exe, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.tmp / "js")],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env={**os.environ, **self.env} if self.env else None)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
         end = time.monotonic() + 15
         while time.monotonic() < end:
             try:
@@ -401,12 +402,16 @@ def main() -> None:
     ap.add_argument("--no-pack1", action="store_true", help="section 1 without the unpacked plane runs")
     ap.add_argument("--no-warmup", action="store_true", help="section 1 without its untimed warm-up runs")
     ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
-                    help="environment of the nats-server process, e.g. GODEBUG=madvdontneed=0 (repeatable)")
+                    help="more environment of the nats-server process, e.g. GOGC=400 (repeatable)")
+    ap.add_argument("--plain-server", action="store_true",
+                    help="start nats-server without the recommended GODEBUG=madvdontneed=0 (kvevents.transport.nats.broker)")
     args = ap.parse_args()
-    env = dict(kv.split("=", 1) for kv in args.server_env)
-    srv = Server(env)
-    if env:
-        print("nats-server environment: " + " ".join(f"{k}={v}" for k, v in env.items()) + "\n")
+    extra = dict(kv.split("=", 1) for kv in args.server_env)
+    base = dict(os.environ) if args.plain_server else broker_env()
+    srv = Server({**base, **extra})
+    shown = {k: srv.env[k] for k in ["GODEBUG", *extra] if k in srv.env}
+    print("nats-server environment: " + (" ".join(f"{k}={v}" for k, v in shown.items()) or "plain (no GODEBUG)")
+          + (" (--plain-server)" if args.plain_server else " (the recommended broker environment)") + "\n")
     tmp = Path(tempfile.mkdtemp(prefix="kvfleet-ipc-"))
     try:
         # 40,000 batches: the engine's replay ring fills in the first ~10,000 (fresh pages per batch), so

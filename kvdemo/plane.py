@@ -12,7 +12,6 @@ the summary compares both replicas' full-state digests and accounts for every ba
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -27,16 +26,9 @@ from typing import TextIO
 
 from kvevents import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 from kvevents.transport.nats.bridge import Bridge, EngineSpec
+from kvevents.transport.nats.broker import broker_env, find_nats_server
 
 BLOCK = 16
-
-
-def find_nats_server() -> str | None:
-    """``$KVEVENTS_NATS_SERVER`` if set (it must exist), else nats-server on PATH, else Debian's /usr/sbin one."""
-    forced = os.environ.get("KVEVENTS_NATS_SERVER")
-    if forced:
-        return forced if os.access(forced, os.X_OK) else None
-    return shutil.which("nats-server") or ("/usr/sbin/nats-server" if os.path.exists("/usr/sbin/nats-server") else None)
 
 
 def _free_port() -> int:
@@ -112,7 +104,7 @@ def run_plane_demo(*, duration: float = 6.0, engines: int = 3, seed: int = 0, ou
     url = f"nats://127.0.0.1:{port}"
     procs: dict[str, subprocess.Popen] = {}
     nats_proc = subprocess.Popen([server, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp / "js")],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=broker_env())
     fleet = [_Engine(f"engine-{i}", tmp, seed + i) for i in range(engines)]
     bridge = None
     stop = threading.Event()

@@ -3,7 +3,6 @@ store directory, torn down after; ``restart()`` keeps the port and the store (fi
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import time
@@ -11,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from kvevents.transport.nats.broker import find_nats_server
 from tests.pubsub_helpers import free_tcp_port
 
-NATS_SERVER = shutil.which("nats-server") or ("/usr/sbin/nats-server" if Path("/usr/sbin/nats-server").exists() else None)
+NATS_SERVER = find_nats_server()
 
 
 class NatsServer:
