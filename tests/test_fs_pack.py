@@ -19,6 +19,7 @@ from manager.tiering import fs_places, fs_rw
 from manager.tiering.fs import FileSystemSecondaryTierManager
 from manager.tiering.fs_io import HEADER_SIZE, probe_o_direct
 from tests.test_manager_fs_direct import BLOCK as DIRECT_BLOCK
+from tests.test_manager_fs import run
 from tests.test_manager_fs_direct import CopyOnlyIO
 
 BLOCK = 8192  # two pages: packable and O_DIRECT-able
@@ -47,13 +48,6 @@ def filled(n: int) -> NumpyBlockIO:
     for b in range(n):
         io.write_block(b, pattern(b))
     return io
-
-
-def run(t: FileSystemSecondaryTierManager, job: JobMetadata, load: bool = False) -> JobResult:
-    (t.submit_load if load else t.submit_store)(job)
-    assert t.drain_jobs(timeout=20)
-    (res,) = t.get_finished_jobs()
-    return res
 
 
 def store(t: FileSystemSecondaryTierManager, job_id: int, blocks: range) -> JobResult:
