@@ -336,3 +336,24 @@ def test_loads_and_evictions_of_one_pack_at_once(tmp_path: Path) -> None:
     assert t.stats()["evictions"] >= n
     assert live_units(tmp_path) == len(t.cached_keys()) and len(packs(tmp_path)) == t.stats()["packs"]
     t.shutdown()
+
+
+def test_a_root_of_block_files_is_read_by_a_packing_tier_and_migrates_by_eviction(tmp_path: Path) -> None:
+    """An older version's root (a file per block) under today's default: its blocks are found
+    and loaded as block files, new stores go into packs, and evicting the old blocks unlinks
+    their files."""
+    io = filled(8)
+    old = tier_at(tmp_path, io, pack_blocks=1)
+    assert store(old, 1, range(4)).success
+    old.shutdown()
+    t = tier_at(tmp_path, io, capacity_blocks=4)  # the default layout: packs
+    assert t.stats()["layout"] == "pack" and t.cached_keys() == {K(b) for b in range(4)}
+    io.array[:] = 0
+    assert load(t, 2, [3, 0], [0, 1]).success and bytes(io.read_block(0)) == pattern(3)
+    for b in range(8):
+        io.write_block(b, pattern(b))
+    t.take_events()
+    assert store(t, 3, range(4, 8)).success  # a pack; the four block files evicted (LRU)
+    assert sorted(k for e in t.take_events() if e.removed for k in e.keys) == sorted(K(b) for b in range(4))
+    assert not list(tmp_path.rglob("*.blk")) and len(packs(tmp_path)) == 1
+    t.shutdown()
