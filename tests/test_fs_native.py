@@ -197,3 +197,46 @@ def test_a_forked_child_gets_its_own_threads(tmp_path: Path) -> None:
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert pool.load([(path, slot, KEY)], NB, False) == [0]  # and the parent's still work
     pool.close()
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_pack_units_same_outcome_as_the_python_path(tmp_path: Path, direct: bool, aligned: bool) -> None:
+    """``IOPool.load_units`` (a unit of a pack per item, at its offset) against fs_pack.read_run
+    on the same damaged pack: the same outcome for every unit, and the good units' bytes."""
+    from manager.tiering import fs_pack
+
+    if direct and not fs_io.probe_o_direct(str(tmp_path)):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    n, stride = 8, fs_io.HEADER_SIZE + NB
+    keys = [b"key-%08d" % i for i in range(n)]
+    payloads = [np.random.default_rng(10 + i).integers(0, 256, NB, dtype=np.uint8).tobytes() for i in range(n)]
+    path = str(tmp_path / "p.kvp")
+    fs_pack.write_pack(path + ".tmp", path, list(zip(keys, map(memoryview, payloads))), fs_pack.PackBuffers(), False,
+                       fs_io.CRC_CRC32C, False)
+    raw = bytearray(Path(path).read_bytes())
+    raw[1 * stride + fs_io.HEADER_SIZE + 5] ^= 1  # unit 1: payload
+    raw[2 * stride + 26] ^= 1  # unit 2: its key (the header checksum)
+    raw[3 * stride : 4 * stride] = bytes(stride)  # unit 3: evicted (a hole reads as zeros)
+    raw[4 * stride : 4 * stride + 4] = b"XXXX"  # unit 4: not our magic
+    Path(path).write_bytes(bytes(raw[: 6 * stride + fs_io.HEADER_SIZE + 100]))  # unit 6 cut, 7 past the end
+    want = ["ok", "checksum", "header", "magic", "magic", "ok", "short", "short"]
+    asked = [(i, keys[i]) for i in range(n)] + [(0, keys[5])]  # and unit 0 asked for as another key
+    want.append("key")
+    slots = _slots(len(asked), aligned)
+    pool = native.IOPool(4)
+    got = pool.load_units([(path, slots[j], key, i * stride) for j, (i, key) in enumerate(asked)], NB, direct)
+    pool.close()
+    assert [native.REASONS[s] if s >= 0 else s for s in got] == want
+    pack = fs_pack.Pack(path, stride, n, n)
+    py_slots = _slots(len(asked), aligned)
+    py = fs_pack.read_run(pack, 0, [(keys[i], py_slots[i]) for i in range(n)], NB, fs_pack.PackBuffers(), direct)
+    py += fs_pack.read_run(pack, 0, [(keys[5], py_slots[n])], NB, fs_pack.PackBuffers(), direct)
+    assert [r or "ok" for r in py] == want
+    for j, (i, _key) in enumerate(asked):
+        if want[j] == "ok":
+            assert bytes(slots[j]) == bytes(py_slots[j]) == payloads[i]
+    with pytest.raises(ValueError, match="page multiple"):
+        native.IOPool(1).load_units([(path, slots[0], keys[0], 100)], NB, direct)
+    assert native.IOPool(1).load_units([(str(tmp_path / "nope"), slots[0], keys[0], 0)], NB, direct) == [
+        native.REASONS.index("missing")]
