@@ -14,7 +14,7 @@ import pytest
 
 from kvevents import ConfigError
 from manager import BlockIO, NumpyBlockIO, make_offload_key
-from manager.tiering import JobMetadata, JobResult, SecondaryTierFactory, fs_io, fs_pack
+from manager.tiering import JobMetadata, JobResult, SecondaryTierFactory, fs_pack
 from manager.tiering import fs_places, fs_rw
 from manager.tiering.fs import FileSystemSecondaryTierManager
 from manager.tiering.fs_io import HEADER_SIZE, probe_o_direct
@@ -27,16 +27,6 @@ STRIDE = HEADER_SIZE + BLOCK
 assert DIRECT_BLOCK == BLOCK
 
 pytestmark = pytest.mark.skipif(not fs_pack.probe_punch("/tmp"), reason="this filesystem cannot punch holes")
-PATH = {"native_io": False}
-
-
-@pytest.fixture(autouse=True, params=["python", "c"])
-def load_path(request: pytest.FixtureRequest) -> str:
-    """Every test on both read paths of a pack run: fs_pack.read_run, and the C threads' load_units."""
-    if request.param == "c" and fs_io.native is None:
-        pytest.skip("the C extension manager.tiering._fsio is not built")
-    PATH["native_io"] = request.param == "c"
-    return str(request.param)
 
 
 def K(i: int) -> bytes:
@@ -48,7 +38,7 @@ def pattern(i: int) -> bytes:
 
 
 def tier_at(root: Path, io: BlockIO | None, **kw) -> FileSystemSecondaryTierManager:  # type: ignore[no-untyped-def]
-    t = SecondaryTierFactory.create_secondary_tier({"type": "fs", "root": str(root), **PATH, **kw}, block_io=io)
+    t = SecondaryTierFactory.create_secondary_tier({"type": "fs", "root": str(root), **kw}, block_io=io)
     assert isinstance(t, FileSystemSecondaryTierManager)
     return t
 
@@ -84,7 +74,7 @@ def test_a_job_is_one_pack_and_loads_in_any_order(tmp_path: Path, o_direct: bool
         pytest.skip("this filesystem refuses O_DIRECT")
     io = filled(12)
     t = tier_at(tmp_path, io, o_direct=o_direct, pack_blocks=5)
-    assert t.stats()["layout"] == "pack" and t.stats()["pack_blocks"] == 5 and t.stats()["native_io"] is PATH["native_io"]
+    assert t.stats()["layout"] == "pack" and t.stats()["pack_blocks"] == 5
     assert store(t, 1, range(12)).success
     files = packs(tmp_path)
     assert len(files) == 3 and sorted(os.path.getsize(p) for p in files) == [2 * STRIDE, 5 * STRIDE, 5 * STRIDE]

@@ -28,7 +28,7 @@
 static const char *const REASONS[] = {"ok", "missing", "short", "magic", "header", "key", "length", "checksum",
                                       "unverifiable"};
 
-enum { OP_LOAD, OP_STORE, OP_LOAD_UNITS };
+enum { OP_LOAD, OP_STORE };
 
 typedef struct kv_batch {
     kv_item *items;
@@ -64,7 +64,7 @@ static void *worker(void *arg) {
         }
         pthread_mutex_unlock(&p->mu);
         if (!bufs.head) it->status = -ENOMEM;
-        else if (b->op != OP_STORE) it->status = load_one(it, b->nbytes, b->direct, &bufs);
+        else if (b->op == OP_LOAD) it->status = load_one(it, b->nbytes, b->direct, &bufs);
         else it->status = store_one(it, b->nbytes, b->direct, b->kind, b->sync, &bufs);
         pthread_mutex_lock(&p->mu);
         if (--b->left == 0) pthread_cond_signal(&b->done);
@@ -204,10 +204,10 @@ static int pool_run(IOPool *p, kv_batch *b) {
     return 0;
 }
 
-/* load: items (path, slot, key); load_units: (path, slot, key, offset); store: items (tmp,
- * path, slot, key). Fills b and h, runs the batch, returns the statuses as a list. */
+/* load: items (path, slot, key); store: items (tmp, path, slot, key). Fills b and h, runs the
+ * batch, returns the statuses as a list. */
 static PyObject *pool_call(IOPool *self, PyObject *items, kv_batch *b) {
-    int store = b->op == OP_STORE, units = b->op == OP_LOAD_UNITS, width = store || units ? 4 : 3;
+    int store = b->op == OP_STORE, width = store ? 4 : 3;
     PyObject *seq = PySequence_Fast(items, "items must be a sequence of tuples");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = 0;
@@ -222,17 +222,8 @@ static PyObject *pool_call(IOPool *self, PyObject *items, kv_batch *b) {
         PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
         if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != width) {
             PyErr_Format(PyExc_TypeError, "items[%zd] must be a %s tuple", i,
-                         store ? "(tmp, path, slot, key)" : units ? "(path, slot, key, offset)" : "(path, slot, key)");
+                         store ? "(tmp, path, slot, key)" : "(path, slot, key)");
             goto done;
-        }
-        it[i].unit = -1;
-        if (units) {
-            it[i].unit = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 3));
-            if (it[i].unit == -1 && PyErr_Occurred()) goto done;
-            if (it[i].unit < 0 || it[i].unit % ALIGN) {
-                PyErr_Format(PyExc_ValueError, "items[%zd]: offset %lld is not a page multiple >= 0", i, it[i].unit);
-                goto done;
-            }
         }
         if (store && !PyUnicode_FSConverter(PyTuple_GET_ITEM(t, 0), &h[i].tmp)) goto done;
         if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(t, store), &h[i].path)) goto done;
@@ -281,25 +272,15 @@ PyDoc_STRVAR(pool_load_doc,
              "REASONS[s] for a damaged or missing file, -errno for an OSError. The GIL is released\n"
              "while the pool's threads work; a slot whose status is not 0 holds garbage.");
 
-static PyObject *load_op(IOPool *self, PyObject *args, int op) {
+static PyObject *pool_load(IOPool *self, PyObject *args) {
     PyObject *items;
     Py_ssize_t nbytes;
     int direct;
     if (!PyArg_ParseTuple(args, "Onp", &items, &nbytes, &direct)) return NULL;
     if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", nbytes);
-    kv_batch b = {NULL, 0, 0, 0, (size_t)nbytes, op, direct, 0, 0};
+    kv_batch b = {NULL, 0, 0, 0, (size_t)nbytes, OP_LOAD, direct, 0, 0};
     return pool_call(self, items, &b);
 }
-
-static PyObject *pool_load(IOPool *self, PyObject *args) { return load_op(self, args, OP_LOAD); }
-
-PyDoc_STRVAR(pool_load_units_doc,
-             "load_units(items, nbytes, direct) -> list[int]\n\n"
-             "As load, for units of pack files: items are (path, slot, key, offset), the unit's header page\n"
-             "at offset (a page multiple) and its payload after it; a file too short for the unit is read\n"
-             "as far as the unit's header only (status 'short').");
-
-static PyObject *pool_load_units(IOPool *self, PyObject *args) { return load_op(self, args, OP_LOAD_UNITS); }
 
 PyDoc_STRVAR(pool_store_doc,
              "store(items, nbytes, direct, kind, sync) -> list[int]\n\n"
@@ -323,7 +304,6 @@ static PyObject *pool_threads(IOPool *self, void *closure) { return PyLong_FromL
 
 static PyMethodDef pool_methods[] = {
     {"load", (PyCFunction)pool_load, METH_VARARGS, pool_load_doc},
-    {"load_units", (PyCFunction)pool_load_units, METH_VARARGS, pool_load_units_doc},
     {"store", (PyCFunction)pool_store, METH_VARARGS, pool_store_doc},
     {"close", (PyCFunction)pool_close, METH_NOARGS, "Stop the threads (after the queued work). Idempotent."},
     {NULL, NULL, 0, NULL},

@@ -37,8 +37,7 @@
 enum { ST_OK, ST_MISSING, ST_SHORT, ST_MAGIC, ST_HEADER, ST_KEY, ST_LENGTH, ST_CHECKSUM, ST_UNVERIFIABLE };
 
 typedef struct {
-    const char *path; /* the block's file, or (unit >= 0) the pack file holding it */
-    long long unit;   /* -1: a block file; else the block's offset in its pack file (a unit) */
+    const char *path; /* the block's file */
     const char *tmp;  /* (stores) the temp file renamed to path */
     unsigned char *slot;
     const unsigned char *key;
@@ -96,15 +95,13 @@ static int load_one(const kv_item *it, size_t nbytes, int direct, kv_bufs *b) {
     if (!dest) return -ENOMEM;
     int fd = open(it->path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | (direct ? O_DIRECT : 0));
     if (fd < 0) return errno == ENOENT ? ST_MISSING : -errno;
-    /* A file of another size (a pack too short for the unit) is read as far as its header only:
-     * an O_DIRECT read past the end of a file zeroes the rest of the buffer (seen here), which
-     * would clobber the slot. */
+    /* A file of another size is read as far as its header only: an O_DIRECT read past the end
+     * of a file zeroes the rest of the buffer (seen here), which would clobber the slot. */
     struct stat st;
-    uint64_t off = it->unit < 0 ? 0 : (uint64_t)it->unit, end = off + HEADER_SIZE + nbytes;
-    int whole = fstat(fd, &st) == 0 && (it->unit < 0 ? (uint64_t)st.st_size == end : (uint64_t)st.st_size >= end);
+    int whole = fstat(fd, &st) == 0 && (uint64_t)st.st_size == (uint64_t)HEADER_SIZE + nbytes;
     struct iovec iov[2] = {{head, HEADER_SIZE}, {dest, nbytes}};
     ssize_t got;
-    do got = preadv(fd, iov, whole ? 2 : 1, (off_t)off);
+    do got = preadv(fd, iov, whole ? 2 : 1, 0);
     while (got < 0 && errno == EINTR);
     int err = errno;
     close(fd);

@@ -187,22 +187,6 @@ class NativeFilesIO(BlockFilesIO):
             return self._python.store(items, io, crc_kind, sync)
         return [s == 0 for s in statuses]
 
-    def load_run(self, pack: Pack, first: int, items: Sequence[tuple[OffloadKey, int]], io: BlockIO) -> list[str | None]:
-        """The run's units on the C threads, one request per unit at its offset (the pack's
-        inode read once, then cached), as the device takes block files."""
-        nbytes = io.block_nbytes
-        if pack.stride != fs_io.HEADER_SIZE + nbytes:
-            return ["length"] * len(items)  # (a pack of another block size: every unit's header would say so)
-        calls = []
-        for i, (key, block_id) in enumerate(items):
-            slot = io.writable_block(block_id)
-            if slot is None:  # no writable views: the Python path copies
-                return super().load_run(pack, first, items, io)
-            calls.append((pack.path, slot, key, (first + i) * pack.stride))
-        reasons = self._reasons
-        return [None if s == 0 else reasons[s] if s > 0 else OS_ERROR
-                for s in self.loads.load_units(calls, nbytes, self.direct)]
-
     def close(self) -> None:
         self.loads.close()
         self.stores.close()
