@@ -139,7 +139,6 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self._token = self._owner.token
         # (under _lock) which file or pack unit holds each block
         self._places = BlockPlaces(self._root, self._token, fsync, pack_blocks if not shared_root else 1, pack_below)
-        self.pack_blocks = self._places.pack_blocks
         self._deleting = self._places.deleting  # evicted or damaged, not unlinked / punched yet
         self._recover()
 
