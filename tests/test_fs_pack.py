@@ -137,6 +137,28 @@ def test_eviction_punches_units_and_unlinks_an_empty_pack(tmp_path: Path) -> Non
     t2.shutdown()
 
 
+def test_the_index_of_packed_blocks_holds_nothing_the_garbage_collector_tracks(tmp_path: Path) -> None:
+    # One tracked object per packed block (a (pack, unit) tuple) was what each store left for
+    # the next full collection of an engine's heap; places are ints now, the packs a registry.
+    import gc
+
+    io = filled(16)
+    t = tier_at(tmp_path, io, pack_blocks=4, capacity_blocks=12)
+    places = t._places
+    assert store(t, 1, range(8)).success and store(t, 2, range(8, 12)).success
+    assert len(places.units) == 12 and not gc.is_tracked(places.units)
+    assert len(places._packs) == 3
+    assert store(t, 3, range(12, 16)).success  # 16 > 12: the first pack's 4 units evicted
+    assert len(places._packs) == 3 and not gc.is_tracked(places.units)
+    io.array[:] = 0
+    assert load(t, 4, [15, 4, 9, 14, 5], [0, 1, 2, 3, 4]).success  # runs across packs, out of order
+    assert [bytes(io.read_block(s)) for s in range(5)] == [pattern(b) for b in (15, 4, 9, 14, 5)]
+    t.shutdown()
+    t2 = tier_at(tmp_path, NumpyBlockIO.allocate(16, BLOCK), pack_blocks=4, capacity_blocks=12)
+    assert len(t2._places.units) == 12 and not gc.is_tracked(t2._places.units) and len(t2._places._packs) == 3
+    t2.shutdown()
+
+
 @pytest.mark.parametrize("how", ["payload_flip", "header_flip", "zeroed_unit", "truncated", "empty", "missing"])
 def test_a_damaged_pack_is_a_miss_never_wrong_bytes(tmp_path: Path, how: str) -> None:
     io = filled(4)

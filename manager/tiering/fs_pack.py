@@ -124,15 +124,20 @@ class PackBuffers(threading.local):
 
     def __init__(self) -> None:
         self._heads: mmap.mmap | None = None
+        self._views: list[memoryview] = []  # a view per header page, made once per growth, not per run
         self._bounce: mmap.mmap | None = None
 
     def heads(self, n: int) -> list[memoryview]:
-        if self._heads is None or len(self._heads) < n * HEADER_SIZE:
+        if len(self._views) < n:
+            for v in self._views:
+                v.release()
             if self._heads is not None:
                 self._heads.close()
             self._heads = mmap.mmap(-1, max(n, 16) * HEADER_SIZE)
-        view = memoryview(self._heads)
-        return [view[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(n)]
+            view = memoryview(self._heads)
+            self._views = [view[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(max(n, 16))]
+            view.release()
+        return self._views[:n]
 
     def bounce(self, nbytes: int) -> memoryview:
         if self._bounce is None or len(self._bounce) < nbytes:

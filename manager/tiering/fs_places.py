@@ -31,6 +31,13 @@ PACK_BELOW = 256 * 1024
 
 Run = tuple[Pack, int, list[int]]  # (pack, first unit, job indexes in unit order)
 
+#: a packed block's place is one int, ``pack number << UNIT_BITS | unit``: the index of every
+#: packed block holds no object the garbage collector tracks (a tuple holding its Pack would
+#: be one per block, and in an engine's large heap each store's worth of them brings the next
+#: full collection nearer: one stalled a 64 KiB load for ~0.25 s in fs_tier.py)
+UNIT_BITS = 10
+assert MAX_PACK < 1 << UNIT_BITS
+
 
 def check_pack_config(pack_blocks: object, pack_below: object) -> None:
     if not isinstance(pack_blocks, int) or isinstance(pack_blocks, bool) or not 1 <= pack_blocks <= MAX_PACK:
@@ -62,7 +69,9 @@ class BlockPlaces:
         self._tmp_ids = count()
         self._pack_ids = count()
         self.dirs: set[str] = set(make_fanout_dirs(root, sync))  # fan-out directories known to exist
-        self.units: dict[OffloadKey, tuple[Pack, int]] = {}  # packed keys -> (pack, unit); others have a file
+        self.units: dict[OffloadKey, int] = {}  # packed keys -> pack number << UNIT_BITS | unit; others have a file
+        self._packs: dict[int, Pack] = {}  # pack number -> the pack, while it has live units
+        self._pack_nos = count()
         #: evicted or damaged, the file not unlinked (or the unit not punched) yet: a store of
         #: such a key is left out until then
         self.deleting: set[OffloadKey] = set()
@@ -110,12 +119,18 @@ class BlockPlaces:
         n = next(self._pack_ids)
         return os.path.join(self._dir(f"{n % 16:x}"), pack_name(self.token, n, units))
 
+    def _register(self, pack: Pack) -> int:
+        """The pack's number, the high bits of its units' places."""
+        no = next(self._pack_nos)
+        self._packs[no] = pack
+        return no << UNIT_BITS
+
     def add_pack(self, pack: Pack, keys: Sequence[OffloadKey]) -> None:
         """A pack just written, unit i holding ``keys[i]``."""
         self.packs += 1
         self.packs_written += 1
-        for i, key in enumerate(keys):
-            self.units[key] = (pack, i)
+        base = self._register(pack)
+        self.units.update(zip(keys, range(base, base + len(keys))))
 
     def delete(self, key: OffloadKey) -> None:
         """Queue the block's deletion: its file's unlink, or its pack unit's punch (the pack's
@@ -125,12 +140,15 @@ class BlockPlaces:
         if where is None:
             self._queue.append((key, None, 0))
         else:
-            self._drop_unit(key, *where)
+            self._drop_unit(key, where)
 
-    def _drop_unit(self, key: OffloadKey | None, pack: Pack, unit: int) -> None:
+    def _drop_unit(self, key: OffloadKey | None, where: int) -> None:
+        no, unit = where >> UNIT_BITS, where & ((1 << UNIT_BITS) - 1)
+        pack = self._packs[no]
         pack.live -= 1
         if pack.live <= 0:
             self.packs -= 1
+            del self._packs[no]
         self._queue.append((key, pack, unit if pack.live > 0 else -1))
 
     def flush(self, lock: threading.Condition) -> None:
@@ -165,13 +183,16 @@ class BlockPlaces:
         """Take a start-up scan's blocks: their keys, oldest first; older copies of a key found
         twice, and packs left with no live unit, are queued for deletion."""
         packs = {path: Pack(path, stride, n, 0) for path, (stride, n) in res.packs.items()}
+        bases = {path: self._register(pack) for path, pack in packs.items()}
         keys = []
         for _mtime, key, where in res.found:
             keys.append(key)
             if where is not None:
-                pack = packs[where[0]]
-                pack.live += 1
-                self.units[key] = (pack, where[1])
+                packs[where[0]].live += 1
+                self.units[key] = bases[where[0]] | where[1]
+        for path, pack in packs.items():
+            if not pack.live:
+                del self._packs[bases[path] >> UNIT_BITS]
         self.packs = sum(1 for p in packs.values() if p.live)
         for key, where in res.shadowed:
             self._queue.append((key, None, 0) if where is None else (None, packs[where[0]], where[1]))
@@ -182,22 +203,23 @@ class BlockPlaces:
         """A load job's packed blocks as runs of consecutive units of one pack (one file open,
         one read each), and the indexes of its blocks that have a file of their own."""
         files: list[int] = []
-        by_pack: dict[Pack, list[tuple[int, int]]] = {}
+        found: list[tuple[int, int]] = []  # (place, job index): sorted, a pack's units are consecutive places
         units = self.units
         for j, key in enumerate(keys):
             where = units.get(key)
             if where is None:
                 files.append(j)
             else:
-                by_pack.setdefault(where[0], []).append((where[1], j))
+                found.append((where, j))
+        found.sort()
         runs: list[Run] = []
-        for pack, found in by_pack.items():
-            found.sort()
-            start = 0
-            for i in range(1, len(found) + 1):
-                if i == len(found) or found[i][0] != found[i - 1][0] + 1:
-                    runs.append((pack, found[start][0], [j for _u, j in found[start:i]]))
-                    start = i
+        mask = (1 << UNIT_BITS) - 1
+        start = 0
+        for i in range(1, len(found) + 1):
+            if i == len(found) or found[i][0] != found[i - 1][0] + 1:
+                first = found[start][0]
+                runs.append((self._packs[first >> UNIT_BITS], first & mask, [j for _w, j in found[start:i]]))
+                start = i
         return runs, files
 
     def stats(self) -> dict[str, int | str]:
