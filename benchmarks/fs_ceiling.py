@@ -10,8 +10,11 @@ instead of a file per block) would read faster is a property of the disk, measur
   16 fan-out directories as the tier has), ``buffered 1 file`` / ``buffered files`` (the page
   cache and the kernel's readahead), ``willneed files`` (buffered, every file
   ``posix_fadvise(WILLNEED)`` first: the kernel queues all the readahead at once, then the
-  reads copy), and ``direct 1 file, 256 KiB iovecs`` (one request scattered into 256 KiB
-  buffers, as a merged read of several blocks would be);
+  reads copy), ``direct 1 file, 256 KiB iovecs`` (one request scattered into 256 KiB
+  buffers, as a merged read of several blocks would be), and ``direct 1 file, huge pages``
+  (the device again, into a destination in 2 MiB transparent huge pages: a request is then
+  one or two physically contiguous segments instead of one per 4 KiB page; where the disk
+  costs per segment, the most it reads without changing the layout);
 * ``--fio``: where ``fio`` is on PATH, ``libaio`` ``O_DIRECT`` on the one file at queue depth =
   the threads column (one submitting thread: the floor without Python in the way).
 
@@ -26,6 +29,7 @@ tests running): a cell's rounds can differ by 2x, so take the best and repeat.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import json
 import mmap
@@ -48,7 +52,8 @@ from benchmarks._table import format_table
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 KIB = 1024
 MODES = ("direct 1 file", "direct files", "buffered 1 file", "buffered files", "willneed files",
-         "direct 1 file, 256 KiB iovecs")
+         "direct 1 file, 256 KiB iovecs", "direct 1 file, huge pages")
+HUGE = 2 << 20
 
 
 def drop_caches() -> bool:
@@ -116,22 +121,51 @@ class Data:
         return self.trees[size]
 
 
-def _destination(total: int) -> memoryview:
+def _destination(total: int, huge: bool = False) -> memoryview:
     """Where the reads land: ``total`` bytes of touched, page-aligned memory, request i at
     offset i * size, as a load fills distinct host slots (a small reused buffer would stay in
-    the CPU cache and make buffered reads' copy look cheaper than it is)."""
-    m = mmap.mmap(-1, total)
-    view = memoryview(m)
+    the CPU cache and make buffered reads' copy look cheaper than it is). ``huge``: 2 MiB
+    aligned and ``madvise(MADV_HUGEPAGE)`` before the first touch (``huge_pages_kib`` says
+    what the kernel gave)."""
+    if not huge:
+        m = mmap.mmap(-1, total)
+        view = memoryview(m)
+    else:
+        # private: an anonymous shared mapping is shmem, whose huge pages a separate knob
+        # (shmem_enabled, usually never) governs
+        m = mmap.mmap(-1, total + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = memoryview(m)
+        start = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE
+        view = view[start : start + total]
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            m.madvise(mmap.MADV_HUGEPAGE)
     for off in range(0, total, mmap.PAGESIZE):
         view[off] = 0
+    if huge:
+        HUGE_SEEN.append(_huge_kib() * KIB / total)
     return view
+
+
+HUGE_SEEN: list[float] = []  # per huge-page cell: the share of this process's memory in huge pages
+
+
+def _huge_kib() -> int:
+    """This process's anonymous memory in transparent huge pages, KiB (0 where unknown)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def cell(data: Data, mode: str, size: int, threads: int) -> tuple[float, float, float] | None:
     """GB/s of one cold read of ``data.total`` bytes, with disk reads per request and the
     mean device request size in KiB; None where the mode does not apply."""
     n = data.total // size
-    dest = _destination(data.total)
+    dest = _destination(data.total, huge="huge pages" in mode)
     counter = itertools.count()
     errors: list[BaseException] = []
     direct = mode.startswith("direct")
@@ -267,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     if best:
         (mode, s, t), (gbs, _, _) = max(best.items(), key=lambda kv: kv[1][0])
         print(f"ceiling (best cell): {gbs:.2f} GB/s, {mode}, {s // KIB} KiB requests, {t} threads")
+        if HUGE_SEEN:
+            print(f"  huge pages: the destination was {min(HUGE_SEEN):.0%}-{max(HUGE_SEEN):.0%} in 2 MiB pages "
+                  "(what the kernel gave to madvise(MADV_HUGEPAGE); /proc/self/smaps_rollup)")
         at256 = [(k, v) for k, v in best.items() if k[1] == 256 * KIB and k[0] == "direct 1 file"]
         if at256:
             (_, _, t2), v2 = max(at256, key=lambda kv: kv[1][0])
