@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -45,11 +46,42 @@ typedef struct {
     int status;
 } kv_item;
 
-/* A worker's buffers: the aligned header page and an aligned bounce buffer (on demand). */
+/* A worker's buffers: the aligned header page, an aligned bounce buffer (on demand), and the
+ * staging area of staged loads (on demand: 2 MiB aligned, in transparent huge pages where the
+ * kernel gives them). */
 typedef struct {
-    unsigned char *head, *bounce;
-    size_t bsize;
+    unsigned char *head, *bounce, *stage;
+    size_t bsize, ssize;
 } kv_bufs;
+
+#define HUGE (2u << 20)
+
+/* The staging area for header page + payload of nbytes: one physically contiguous request
+ * where the kernel backs it with a huge page, instead of a segment per 4 KiB page of the slot.
+ * NULL: out of memory. */
+static unsigned char *stage_buffer(kv_bufs *b, size_t nbytes) {
+    size_t need = (HEADER_SIZE + nbytes + HUGE - 1) / HUGE * HUGE;
+    if (b->stage && b->ssize >= need) return b->stage;
+    if (b->stage) munmap(b->stage, b->ssize);
+    b->stage = NULL, b->ssize = 0;
+    /* over-map by one huge page, then trim to a 2 MiB aligned range of `need` bytes */
+    unsigned char *p = (unsigned char *)mmap(NULL, need + HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+    unsigned char *a = (unsigned char *)(((uintptr_t)p + HUGE - 1) & ~(uintptr_t)(HUGE - 1));
+    if (a > p) munmap(p, (size_t)(a - p));
+    if (a + need < p + need + HUGE) munmap(a + need, (size_t)(p + need + HUGE - (a + need)));
+#ifdef MADV_HUGEPAGE
+    madvise(a, need, MADV_HUGEPAGE); /* (best effort: without huge pages it still reads, as 4 KiB pages) */
+#endif
+    b->stage = a, b->ssize = need;
+    return a;
+}
+
+static void free_bufs(kv_bufs *b) {
+    free(b->head);
+    free(b->bounce);
+    if (b->stage) munmap(b->stage, b->ssize);
+}
 
 static uint32_t be32(const unsigned char *p) {
     return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
@@ -87,12 +119,19 @@ static unsigned char *direct_buffer(kv_bufs *b, unsigned char *slot, size_t nbyt
     return b->bounce;
 }
 
-/* Read and check one block file into it->slot (see _fsio.c's top comment). */
-static int load_one(const kv_item *it, size_t nbytes, int direct, kv_bufs *b) {
+/* Read and check one block file into it->slot (see _fsio.c's top comment). `staged` (with
+ * O_DIRECT and a page-multiple length): header page and payload are read as one request into the
+ * worker's staging area and copied into the slot once every check passed. */
+static int load_one(const kv_item *it, size_t nbytes, int direct, int staged, kv_bufs *b) {
     /* (a load through the bounce buffer copies into the slot only once every check passed;
      * fs_io reads lengths that are not page multiples through it too) */
-    unsigned char *dest = direct_buffer(b, it->slot, nbytes, &direct, 1), *head = b->head;
-    if (!dest) return -ENOMEM;
+    unsigned char *dest, *head = b->head;
+    if (staged && direct && nbytes % ALIGN == 0) {
+        if (!(head = stage_buffer(b, nbytes))) return -ENOMEM;
+        dest = head + HEADER_SIZE;
+    } else if (!(dest = direct_buffer(b, it->slot, nbytes, &direct, 1))) {
+        return -ENOMEM;
+    }
     int fd = open(it->path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | (direct ? O_DIRECT : 0));
     if (fd < 0) return errno == ENOENT ? ST_MISSING : -errno;
     /* A file of another size is read as far as its header only: an O_DIRECT read past the end
@@ -100,8 +139,9 @@ static int load_one(const kv_item *it, size_t nbytes, int direct, kv_bufs *b) {
     struct stat st;
     int whole = fstat(fd, &st) == 0 && (uint64_t)st.st_size == (uint64_t)HEADER_SIZE + nbytes;
     struct iovec iov[2] = {{head, HEADER_SIZE}, {dest, nbytes}};
+    if (dest == head + HEADER_SIZE) iov[0].iov_len += whole ? nbytes : 0; /* staged: one iovec */
     ssize_t got;
-    do got = preadv(fd, iov, whole ? 2 : 1, 0);
+    do got = preadv(fd, iov, whole && dest != head + HEADER_SIZE ? 2 : 1, 0);
     while (got < 0 && errno == EINTR);
     int err = errno;
     close(fd);

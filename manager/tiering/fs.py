@@ -9,8 +9,8 @@ groups, ``fs_io.spread_directories``) and :mod:`manager.tiering.fs_places` (whic
   is not shared, a store job's page-multiple blocks under ``pack_below`` bytes (256 KiB) go in
   one pack file (:mod:`manager.tiering.fs_pack`), read back a run of units per file open and
   read; an evicted block's unit is punched out. Otherwise a file per block.
-* Loads read header + payload straight into the primary's slot (``O_DIRECT`` where the
-  filesystem takes it; ``o_direct`` forces it on or off) and check the CRC over the slot. A
+* Loads read header + payload into the primary's slot (``O_DIRECT`` where the filesystem takes
+  it; ``o_direct`` forces it; C path: via a huge-page staging area, ``load_staging``), CRC-checked. A
   missing, torn, corrupt or mismatched file or unit fails the job (never a hit with wrong or
   missing bytes) and is deleted with a removal. Block files go through the C extension where
   built (``native_io``: ``load_threads`` / ``store_threads`` C threads, no GIL; ``fs_rw``).
@@ -77,6 +77,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         offload_policy: str = "block_level",
         pack_blocks: int = 64,
         pack_below: int = PACK_BELOW,
+        load_staging: bool = True,
         **kw: Any,
     ) -> None:
         if kw.get("store_policy") is None:
@@ -90,6 +91,8 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
             if not isinstance(n, int) or n <= 0:
                 raise ConfigError(f"fs tier: {name} must be an int > 0, got {n!r}")
         check_pack_config(pack_blocks, pack_below)
+        if not isinstance(load_staging, bool):
+            raise ConfigError(f"fs tier: load_staging must be True or False, got {load_staging!r}")
         if native_io and fs_io.native is None:
             raise ConfigError("fs tier: native_io=True, but the C extension manager.tiering._fsio is not built")
         try:
@@ -123,6 +126,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self._disk = DiskLookups(self._lock, self._probe, self._found_on_disk, self._flush_deletes, tier_type) if shared_root else None
         native = fs_io.native is not None if native_io is None else native_io
         self._rw: BlockFilesIO = (NativeFilesIO if native else PythonFilesIO)(self.o_direct, load_threads, store_threads)
+        self._rw.staged = bool(load_staging) and native and self.o_direct
         # Counters.
         self.stores = 0
         self.loads = 0
@@ -479,7 +483,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
                 "payload_mismatches": self.payload_mismatches, "foreign_files": self.foreign_files,
                 "scan_errors": self.scan_errors, "migrated_files": self.migrated_files, "o_direct": self.o_direct, "spread_dirs": self.spread_dirs,
                 "checksum": "crc32c" if self.crc_kind == fs_io.CRC_CRC32C else "crc32",
-                "native_io": isinstance(self._rw, NativeFilesIO),
+                "native_io": isinstance(self._rw, NativeFilesIO), "load_staging": self._rw.staged,
                 **self._places.stats(),
             }
 

@@ -62,6 +62,9 @@ class BlockFilesIO(ABC):
     #: how many tasks a load / store job is split into (each runs on a thread of the tier's pool)
     load_tasks: int
     store_tasks: int
+    #: (C path, O_DIRECT) block files read as one request into a per-thread staging area in
+    #: huge pages, then copied into the slot: the tier's ``load_staging``
+    staged = False
 
     def __init__(self, direct: bool) -> None:
         self.direct = direct
@@ -175,7 +178,7 @@ class NativeFilesIO(BlockFilesIO):
             calls.append((path, slot, key))
         reasons = self._reasons
         return [None if s == 0 else reasons[s] if s > 0 else OS_ERROR
-                for s in self.loads.load(calls, io.block_nbytes, self.direct)]
+                for s in self.loads.load(calls, io.block_nbytes, self.direct, self.staged)]
 
     def store(self, items: Sequence[StoreItem], io: BlockIO | None, crc_kind: int, sync: bool) -> list[bool]:
         if io is None:
