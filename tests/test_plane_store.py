@@ -122,3 +122,33 @@ def test_candidates_lists_every_snapshot_while_replicas_save_theirs(nats_server)
     wrong = [c for c in seen if sorted(n for _, n in c) != ["a", "b"]]
     assert not wrong, f"{len(wrong)} of {len(seen)} listings were wrong, e.g. {wrong[0]}"
     assert all(c == sorted(c, reverse=True) and all(seq >= 10 for seq, _ in c) for c in seen)
+
+
+def test_a_purge_moves_no_consumer_past_a_message_it_has_not_read(nats_server) -> None:
+    # nats-server moves every consumer of a purged subject to that subject's first remaining
+    # message: purging a subject up to the cut would make a replica that has just started at the
+    # cut skip the other subjects' messages before that subject's next one.
+    from nats.js import api
+
+    async def body(store: PlaneStore, js):
+        store.stream = "PURGETEST"
+        await js.add_stream(name="PURGETEST", subjects=["pt.>"], storage=api.StorageType.MEMORY)
+        layout = ["pt.a"] * 10 + ["pt.b"] * 13 + ["pt.a"] * 2 + ["pt.b"] * 5  # seqs 1-10 a, 11-23 b, 24-25 a, 26-30 b
+        for subject in layout:
+            await js.publish(subject, b"x")
+        cut = 22  # a replica covering 21 starts reading at 22 (a pt.b message; pt.a's next is 24)
+        await js.add_consumer("PURGETEST", api.ConsumerConfig(
+            durable_name="fresh", ack_policy=api.AckPolicy.ALL,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=cut))
+        purged = await store.purge_below(12) + await store.purge_below(cut)
+        sub = await js.pull_subscribe_bind("fresh", stream="PURGETEST")
+        got = [m.metadata.sequence.stream for m in await sub.fetch(9, timeout=5)]
+        left = (await js.stream_info("PURGETEST")).state.messages
+        later = await store.purge_below(31)  # both subjects published since: all but each one's last go
+        lasts = [(await js.get_last_msg("PURGETEST", s)).seq for s in ("pt.a", "pt.b")]
+        return got, purged, left, later, (await js.stream_info("PURGETEST")).state.messages, lasts
+    got, purged, left, later, finally_left, lasts = _run(nats_server.url, body)
+    assert got == list(range(22, 31)), f"the consumer at 22 skipped: {got}"
+    # below the cut only pt.b's 11 could go (pt.a kept its 1-10: it published nothing in 12-21)
+    assert (purged, left) == (1, 29)
+    assert (later, finally_left, lasts) == (27, 2, [25, 30])
