@@ -126,7 +126,8 @@ static int load_one(const kv_item *it, size_t nbytes, int direct, int staged, kv
     /* (a load through the bounce buffer copies into the slot only once every check passed;
      * fs_io reads lengths that are not page multiples through it too) */
     unsigned char *dest, *head = b->head;
-    if (staged && direct && nbytes % ALIGN == 0) {
+    staged = staged && direct && nbytes % ALIGN == 0;
+    if (staged) {
         if (!(head = stage_buffer(b, nbytes))) return -ENOMEM;
         dest = head + HEADER_SIZE;
     } else if (!(dest = direct_buffer(b, it->slot, nbytes, &direct, 1))) {
@@ -139,9 +140,10 @@ static int load_one(const kv_item *it, size_t nbytes, int direct, int staged, kv
     struct stat st;
     int whole = fstat(fd, &st) == 0 && (uint64_t)st.st_size == (uint64_t)HEADER_SIZE + nbytes;
     struct iovec iov[2] = {{head, HEADER_SIZE}, {dest, nbytes}};
-    if (dest == head + HEADER_SIZE) iov[0].iov_len += whole ? nbytes : 0; /* staged: one iovec */
+    int niov = whole ? 2 : 1;
+    if (staged && whole) iov[0].iov_len += nbytes, niov = 1; /* header and payload adjoin: one iovec */
     ssize_t got;
-    do got = preadv(fd, iov, whole && dest != head + HEADER_SIZE ? 2 : 1, 0);
+    do got = preadv(fd, iov, niov, 0);
     while (got < 0 && errno == EINTR);
     int err = errno;
     close(fd);

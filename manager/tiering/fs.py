@@ -126,7 +126,7 @@ class FileSystemSecondaryTierManager(SecondaryTierManager):
         self._disk = DiskLookups(self._lock, self._probe, self._found_on_disk, self._flush_deletes, tier_type) if shared_root else None
         native = fs_io.native is not None if native_io is None else native_io
         self._rw: BlockFilesIO = (NativeFilesIO if native else PythonFilesIO)(self.o_direct, load_threads, store_threads)
-        self._rw.staged = bool(load_staging) and native and self.o_direct
+        self._rw.staged = load_staging and native and self.o_direct
         # Counters.
         self.stores = 0
         self.loads = 0
