@@ -36,7 +36,8 @@ Run = tuple[Pack, int, list[int]]  # (pack, first unit, job indexes in unit orde
 #: be one per block, and in an engine's large heap each store's worth of them brings the next
 #: full collection nearer: one stalled a 64 KiB load for ~0.25 s in fs_tier.py)
 UNIT_BITS = 10
-assert MAX_PACK < 1 << UNIT_BITS
+UNIT_MASK = (1 << UNIT_BITS) - 1
+assert MAX_PACK <= UNIT_MASK
 
 
 def check_pack_config(pack_blocks: object, pack_below: object) -> None:
@@ -76,7 +77,6 @@ class BlockPlaces:
         #: such a key is left out until then
         self.deleting: set[OffloadKey] = set()
         self._queue: list[tuple[OffloadKey | None, Pack | None, int]] = []  # (key, pack or None: its file, unit or -1: the pack)
-        self.packs = 0  # pack files holding live blocks
         self.packs_written = 0
         self.packs_removed = 0  # unlinked with their last live unit
         self.units_punched = 0  # evicted or damaged pack units given back to the filesystem
@@ -127,7 +127,6 @@ class BlockPlaces:
 
     def add_pack(self, pack: Pack, keys: Sequence[OffloadKey]) -> None:
         """A pack just written, unit i holding ``keys[i]``."""
-        self.packs += 1
         self.packs_written += 1
         base = self._register(pack)
         self.units.update(zip(keys, range(base, base + len(keys))))
@@ -143,11 +142,10 @@ class BlockPlaces:
             self._drop_unit(key, where)
 
     def _drop_unit(self, key: OffloadKey | None, where: int) -> None:
-        no, unit = where >> UNIT_BITS, where & ((1 << UNIT_BITS) - 1)
+        no, unit = where >> UNIT_BITS, where & UNIT_MASK
         pack = self._packs[no]
         pack.live -= 1
         if pack.live <= 0:
-            self.packs -= 1
             del self._packs[no]
         self._queue.append((key, pack, unit if pack.live > 0 else -1))
 
@@ -193,7 +191,6 @@ class BlockPlaces:
         for path, pack in packs.items():
             if not pack.live:
                 del self._packs[bases[path] >> UNIT_BITS]
-        self.packs = sum(1 for p in packs.values() if p.live)
         for key, where in res.shadowed:
             self._queue.append((key, None, 0) if where is None else (None, packs[where[0]], where[1]))
         self._queue.extend((None, p, -1) for p in packs.values() if not p.live)
@@ -213,14 +210,18 @@ class BlockPlaces:
                 found.append((where, j))
         found.sort()
         runs: list[Run] = []
-        mask = (1 << UNIT_BITS) - 1
         start = 0
         for i in range(1, len(found) + 1):
             if i == len(found) or found[i][0] != found[i - 1][0] + 1:
                 first = found[start][0]
-                runs.append((self._packs[first >> UNIT_BITS], first & mask, [j for _w, j in found[start:i]]))
+                runs.append((self._packs[first >> UNIT_BITS], first & UNIT_MASK, [j for _w, j in found[start:i]]))
                 start = i
         return runs, files
+
+    @property
+    def packs(self) -> int:
+        """Pack files holding live blocks (a registered pack leaves with its last live unit)."""
+        return len(self._packs)
 
     def stats(self) -> dict[str, int | str]:
         return {"layout": "pack" if self.pack_blocks > 1 else "block", "pack_blocks": self.pack_blocks,
