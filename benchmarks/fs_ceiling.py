@@ -121,22 +121,23 @@ class Data:
         return self.trees[size]
 
 
+HUGE_SEEN: list[float] = []  # per huge-page cell: the share of this process's memory in huge pages
+
+
 def _destination(total: int, huge: bool = False) -> memoryview:
     """Where the reads land: ``total`` bytes of touched, page-aligned memory, request i at
     offset i * size, as a load fills distinct host slots (a small reused buffer would stay in
     the CPU cache and make buffered reads' copy look cheaper than it is). ``huge``: 2 MiB
-    aligned and ``madvise(MADV_HUGEPAGE)`` before the first touch (``huge_pages_kib`` says
-    what the kernel gave)."""
+    aligned and ``madvise(MADV_HUGEPAGE)`` before the first touch (``HUGE_SEEN`` records what
+    the kernel gave)."""
     if not huge:
-        m = mmap.mmap(-1, total)
-        view = memoryview(m)
+        view = memoryview(mmap.mmap(-1, total))
     else:
         # private: an anonymous shared mapping is shmem, whose huge pages a separate knob
         # (shmem_enabled, usually never) governs
         m = mmap.mmap(-1, total + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        view = memoryview(m)
         start = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE
-        view = view[start : start + total]
+        view = memoryview(m)[start : start + total]
         if hasattr(mmap, "MADV_HUGEPAGE"):
             m.madvise(mmap.MADV_HUGEPAGE)
     for off in range(0, total, mmap.PAGESIZE):
@@ -144,9 +145,6 @@ def _destination(total: int, huge: bool = False) -> memoryview:
     if huge:
         HUGE_SEEN.append(_huge_kib() * KIB / total)
     return view
-
-
-HUGE_SEEN: list[float] = []  # per huge-page cell: the share of this process's memory in huge pages
 
 
 def _huge_kib() -> int:
