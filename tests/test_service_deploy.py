@@ -1,4 +1,4 @@
-"""The README's "Deploy with vLLM" section, run command by command.
+"""The "Deploy with vLLM" page (docs/deploy-vllm.md), run command by command.
 
 `vllm serve` is replaced by `python -m kvdemo.engine_http` (a simulated engine taking the same
 arguments); hosts are mapped to 127.0.0.1 and every (host, port) to a free local port. vLLM
@@ -24,7 +24,7 @@ from kvdemo.serve import free_tcp_ports
 from .service_helpers import Http
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTION = re.search(r"^## Deploy with vLLM\n(.*?)(?=^## )", (ROOT / "README.md").read_text(), re.S | re.M).group(1)
+SECTION = (ROOT / "docs" / "deploy-vllm.md").read_text()
 BLOCKS = re.findall(r"```(\w+)\n(.*?)\n```", SECTION, re.S)
 
 
@@ -51,13 +51,13 @@ def _router_argv(line: str, ports: Ports) -> list[str]:
     argv = [a.replace("0.0.0.0", "127.0.0.1") for a in argv]
     i = argv.index("--port")
     argv[i + 1] = str(ports("router", int(argv[i + 1])))
-    # the verb as the README runs it: the `kvevents` script of this environment, `router` from the
+    # the verb as the page runs it: the `kvevents` script of this environment, `router` from the
     # `kvevents.commands` entry-point group (kvservice.cli:register)
     script = Path(sys.executable).with_name("kvevents")
     return [str(script) if script.exists() else shutil.which("kvevents") or "kvevents", *argv[1:]]
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="the README's client commands use curl")
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the page's client commands use curl")
 def test_every_command_of_the_deploy_section_runs(tmp_path) -> None:
     ports = Ports()
     engines_block, router_block, client_block = _blocks("bash")

@@ -1,5 +1,5 @@
-"""vLLM's kv_offload names that ours mirror or accept as well (the README's table): each row of
-the table has a check here, through the public API."""
+"""vLLM's kv_offload names that ours mirror or accept as well (the table in docs/manager.md): each
+row of the table has a check here, through the public API."""
 
 from __future__ import annotations
 
