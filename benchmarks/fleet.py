@@ -4,7 +4,7 @@
                                [--no-warmup] [--server-env NAME=VALUE] [--plain-server]
 
 Needs nats-server (Debian's) on PATH or in /usr/sbin; starts its own on a free loopback port
-with file storage in a temporary directory, in the broker environment the README recommends
+with file storage in a temporary directory, in the broker environment docs/event-plane.md recommends
 (``GODEBUG=madvdontneed=0``: kvevents.transport.nats.broker; ``--plain-server`` without it).
 
 1. Throughput: an engine process publishes N batches (default 40,000, so that most of the run is

@@ -73,7 +73,7 @@ def feeder(args) -> None:
     pods = [int(x) for x in args.feed_pods.split(",")]
     # a replay endpoint: each drain starts a new feeder (a new run on the same endpoints), and a
     # reconnect without one is a counted RESET whose queued frames are dropped until the socket
-    # runs dry (README "Subscriber") -- the burst queued while ingest was held would be lost
+    # runs dry (docs/wire-and-transport.md, "Subscriber") -- the burst queued while ingest was held would be lost
     pubs = [ZmqEventPublisher(f"ipc://{args.feed}/pod{p}.pub", f"ipc://{args.feed}/pod{p}.replay", topic="",
                               max_queue_size=1 << 20, hwm=1 << 20, buffer_steps=1 << 16) for p in pods]
     rnd = random.Random(7)

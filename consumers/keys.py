@@ -7,7 +7,7 @@ knowing the engine's own hash function or seed.
 
 The hash is CPython's tuple hash over ints, which is deterministic for int tuples (no
 ``PYTHONHASHSEED`` randomisation applies to ints) and, measured on this code base, about
-about ten times faster than a ``hashlib.blake2b`` chain (``benchmarks/router.py`` prints both):
+ten times faster than a ``hashlib.blake2b`` chain (``benchmarks/router.py`` prints both):
 
 * content hash of a block: ``hash(tuple_of_block_size_token_ids)``, computed at C speed
   with ``map(hash, zip(*[iter(tokens)] * block_size))``;

@@ -13,7 +13,7 @@ the ``kvevents.metrics`` entry-point group (``kvevents.telemetry.metrics`` for t
 and subscriber; the manager's and the router's in their own packages): this module knows no
 component by name and imports nothing above the ground floor. :data:`CATALOG` is assembled
 from the group on first use. The adapters that create the instruments take name, kind, unit
-and description from here, so the table in the README (:func:`render_markdown_table`) and
+and description from here, so the table in docs/metrics.md (:func:`render_markdown_table`) and
 the generated dashboards are what the code exports. It imports nothing from OpenTelemetry.
 """
 
@@ -164,7 +164,7 @@ def prometheus_names(*, series: bool = False) -> set[str]:
 
 
 def render_markdown_table(specs: tuple[MetricSpec, ...] | list[MetricSpec] | None = None) -> str:
-    """The README's metric table (markdown), one row per metric, in catalogue order."""
+    """The metric table of docs/metrics.md (markdown), one row per metric, in catalogue order."""
     rows = ["| Prometheus name | OpenTelemetry name | kind | unit | attributes | what it counts | reads |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
     for m in catalog() if specs is None else specs:

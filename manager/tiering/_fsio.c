@@ -14,10 +14,9 @@
  *
  * or, staged (load(..., staged=True) with O_DIRECT: the tier's load_staging), one request of
  * header + payload into the worker's 2 MiB staging area in a transparent huge page, the same
- * checks there, then one memcpy into the slot. Measured (README "Storage tier"): this VM's
- * virtio disk costs per segment of a request, and a slot in 4 KiB pages makes a 256 KiB read
- * 65 segments where the staging area makes it one: 2.84-2.93 GB/s staged against 2.41-2.55
- * into the slot, for 0.08-0.10 CPU s/GB more (the copy).
+ * checks there, then one memcpy into the slot. Why: a disk that costs per segment of a request
+ * (our test VM's virtio disk) reads a 256 KiB block faster as one segment than as the 65 a slot
+ * in 4 KiB pages makes, for the cost of the copy (the runs: benchmarks/NOTES.md, "Staged loads").
  *
  * and the call returns one status per block: 0 ok, 1..8 the reasons of
  * manager.tiering.fs_io.BlockFileError (REASONS[status]), or -errno for an OSError. Stores

@@ -23,10 +23,9 @@ from .fs_scan import ScanResult, block_path, make_fanout_dirs
 
 __all__ = ["BlockPlaces", "PACK_BELOW", "Run", "check_pack_config", "sync_dir"]
 
-#: blocks of this many bytes or more keep a file each by default: measured in one run (README
-#: "Storage tier", median cold load), 256 KiB blocks loaded at 2.38 GB/s a file each through the
-#: C path against 2.06 packed, where 16 KiB blocks loaded at 1.32 packed against 1.07 a file
-#: each, and stored (+ sync) at 1.36 against 0.53
+#: blocks of this many bytes or more keep a file each by default: at 256 KiB one O_DIRECT request
+#: per block file loads faster than a pack run, at 16 KiB packs load and store faster
+#: (the runs: benchmarks/NOTES.md, "Pack files")
 PACK_BELOW = 256 * 1024
 
 Run = tuple[Pack, int, list[int]]  # (pack, first unit, job indexes in unit order)

@@ -16,9 +16,9 @@ read: the scan moves each whole block file it finds there into its new directory
 on) and removes the old directory once it is empty; an asynchronous lookup on a shared root
 looks there too (a tier of the older version may still write it). Why fewer directories:
 each fan-out directory sits in its own ext4 block group (``spread_dirs``), so a cold load
-paid a directory inode, a directory block and an inode-table read per directory touched;
-2,048 cold 256 KiB loads read 1.38 requests per block with 256 directories and 1.05 with 16
-(``/proc/diskstats``, README "fs tier").
+pays a directory inode, a directory block and an inode-table read per directory touched, and
+with 16 directories a cold load costs about one disk request per block (the runs:
+benchmarks/NOTES.md, "benchmarks/fs_tier.py runs").
 """
 
 from __future__ import annotations
