@@ -75,3 +75,34 @@ def test_the_router_service_config_reference_names_real_keys() -> None:
         documented = set(_keys(page, heading))
         real = {f.name for f in fields(cls)}
         assert documented and documented <= real, f"{heading}: {sorted(documented - real)} are not config keys"
+
+
+def _router_commands() -> list[tuple[str, str]]:
+    """``(where, command)`` for each ``kvevents router ...`` line of a bash block in the README and
+    docs (continuation lines joined); those reading a ``--config`` file are run by
+    tests/test_service_deploy.py instead."""
+    out = []
+    for name, text in {"README.md": README, **{f"docs/{n}": t for n, t in DOCS.items()}}.items():
+        for block in re.findall(r"```bash\n(.*?)\n```", text, re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                if line.startswith("kvevents router") and "--config" not in line:
+                    out.append((name, line))
+    return out
+
+
+def test_documented_router_commands_parse_and_validate() -> None:
+    import argparse
+    import shlex
+
+    from kvservice.cli import add_arguments, build_config
+
+    commands = _router_commands()
+    assert {"README.md", "docs/router-service.md", "docs/event-plane.md"} <= {w for w, _ in commands}
+    for where, line in commands:
+        parser = argparse.ArgumentParser(prog="kvevents router")
+        add_arguments(parser)
+        try:
+            cfg = build_config(parser.parse_args(shlex.split(line)[2:]))
+        except SystemExit:
+            raise AssertionError(f"{where}: {line!r} does not parse") from None
+        assert cfg.pods or cfg.subscriber.event_plane, (where, line)
