@@ -147,11 +147,15 @@ def test_a_pod_silent_across_two_holes_gets_one_tail_gap() -> None:
     import time as _time
 
     src = JetStreamSource.__new__(JetStreamSource)  # the per-pod bookkeeping alone, no connection
-    src._pods, src._doubt, src.stream_last = {}, None, 20
-    src._stats = {"stream_holes": 0, "stream_lost": 0, "hole_gaps": 0}
+    from kvevents.transport.nats.pods import PodChecks
+
+    src._doubt, src.stream_last = None, 20
+    src._stats = {"stream_holes": 0, "stream_lost": 0}
+    src._checks = PodChecks(src._stats)
+    src._pods = src._checks.pods
     now = _time.time()
     for pod, q in (("B", 20), ("A", 19)):
-        st = src._pod(pod, now)
+        st = src._checks.pod(pod, now)
         st.run, st.last_seq, st.stream_seq = 0, 9, q
     out: list = []
     src._hole(21, 40)

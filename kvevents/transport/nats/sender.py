@@ -22,6 +22,7 @@ uses nats-py's request path (``js.publish``), one message at a time.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections import deque
@@ -34,6 +35,18 @@ from .wire import StreamSpec
 def body_bytes(body) -> bytes:
     """A message body as one bytes object (a body may be a list of buffers, see the module doc)."""
     return body if isinstance(body, (bytes, bytearray)) else b"".join(body)
+
+
+def parse_ack(data: bytes) -> dict | None:
+    """A JetStream publish acknowledgement read as JSON (nats-server writes ``"duplicate": true``
+    with a space: matching bytes missed it); None for an error or anything that is not an ack."""
+    try:
+        ack = json.loads(data)
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(ack, dict) or "error" in ack or not isinstance(ack.get("seq"), int):
+        return None
+    return ack
 
 
 def body_len(body) -> int:
@@ -53,7 +66,7 @@ class Outgoing:
 
 class PlaneSender:
     def __init__(self, url: str, stream: StreamSpec | None = None, *, window: int = 512, ack_timeout: float = 5.0,
-                 name: str = "kvevents-plane") -> None:
+                 name: str = "kvevents-plane", on_not_stored=None) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
         self.url = url
@@ -61,7 +74,11 @@ class PlaneSender:
         self.window = window
         self.ack_timeout = ack_timeout
         self.stats = {"sent": 0, "acked": 0, "duplicates": 0, "resent": 0, "ack_failures": 0, "window_waits": 0,
-                      "reordered": 0, "disconnects": 0, "reconnects": 0, "errors": 0, "bytes": 0}
+                      "reordered": 0, "disconnects": 0, "reconnects": 0, "errors": 0, "bytes": 0,
+                      "not_stored": 0, "unverified_duplicates": 0}
+        #: called on the sender's loop with an :class:`Outgoing` whose id the stream already held
+        #: for a DIFFERENT message (a forgery under our id): ours was not stored (see ``_verify``)
+        self.on_not_stored = on_not_stored
         self._room = threading.Semaphore(window)
         self._lt = LoopThread(name)
         self._inflight: deque[Outgoing] = deque()
@@ -149,7 +166,7 @@ class PlaneSender:
         self.stats["bytes"] += size
 
     async def _on_ack_msg(self, msg) -> None:
-        """An acknowledgement of a fast-path message: ``{"stream":..,"seq":..[,"duplicate":true]}``
+        """An acknowledgement of a fast-path message, JSON: ``{"stream":..,"seq":..[,"duplicate": true]}``
         or ``{"error":{...}}``; matched to its message by the ordinal in the reply subject."""
         try:
             ordinal = int(msg.subject[len(self._ack_prefix):])
@@ -158,17 +175,39 @@ class PlaneSender:
         out = self._ack_wait.pop(ordinal, None)
         if out is None or out.future != ordinal or out.acked:
             return  # abandoned by a resync (it re-sent the message itself)
-        data = msg.data
-        if not data or b'"error"' in data or b'"seq"' not in data:
+        ack = parse_ack(msg.data)
+        if ack is None:
             if not self._failed:
                 self.stats["ack_failures"] += 1
             self._failed = True
             self._wake.set()
             return
         out.acked = True
-        if b'"duplicate":true' in data:
+        if ack.get("duplicate") is True:
             self.stats["duplicates"] += 1
+            self._check_duplicate(out, ack["seq"])
         self._settle()
+
+    def _check_duplicate(self, out: Outgoing, seq: int) -> None:
+        """A duplicate ack says the stream already holds a message under our id, at ``seq``:
+        ours (a re-send), or another's stored first (a forgery: ours was NOT stored)."""
+        self._lt.loop.create_task(self._verify(out, seq))
+
+    async def _verify(self, out: Outgoing, seq: int) -> None:
+        try:
+            held = await self.js.get_msg(self.stream.name, seq)
+        except Exception:
+            self.stats["unverified_duplicates"] += 1  # purged meanwhile, or no permission to read it
+            return
+        hdrs = held.headers or {}
+        if held.data == body_bytes(out.body) and all(hdrs.get(k) == v for k, v in out.headers.items()):
+            return  # our own message, stored by an earlier send
+        self.stats["not_stored"] += 1
+        if self.on_not_stored is not None:
+            try:
+                self.on_not_stored(out)
+            except Exception:
+                self.stats["errors"] += 1
 
     def _settle(self) -> None:
         inflight = self._inflight
@@ -207,6 +246,7 @@ class PlaneSender:
             if ack.duplicate:
                 self.stats["duplicates"] += 1
                 seen_dup = True
+                self._check_duplicate(out, ack.seq)
             elif seen_dup and out.ordinal <= self._last_dup_ordinal:
                 self.stats["reordered"] += 1
             if ack.duplicate:

@@ -15,7 +15,10 @@ the engine's raw vLLM payload, untouched; its headers say where it came from:
 ``Kv-Missed``   gap only: how many batches were lost; ``Kv-Reason`` why
 ``Kv-Count``    batch only, when the bridge packs: this message holds that many consecutive
                 batches (seq, seq+1, ...), each as a 4-byte big-endian length then the payload
-``Nats-Msg-Id`` ``<pod>:<run>:<kind>:<seq>`` — JetStream's duplicate window drops a re-send
+``Nats-Msg-Id`` ``<pod>:<run>:<kind>:<seq>:<nonce>`` — JetStream's duplicate window drops a
+                re-send (the same message, same id); the nonce (16 random hex digits per
+                message) makes the id of a batch not yet sent unguessable, so nobody can
+                store a message first under it and have JetStream drop the real one
 ==============  =========================================================================
 
 Control messages travel in the same stream as the batches, so every consumer sees a pod's
@@ -24,13 +27,14 @@ RESET and GAP in order with its batches.
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 from dataclasses import dataclass
 
 from ...errors import ConfigError, DecodeError
 
-__all__ = ["PlaneMsg", "StreamSpec", "msg_id", "pack", "pack_parts", "parse_headers", "plane_headers", "subject_for",
+__all__ = ["PlaneMsg", "StreamSpec", "id_matches", "msg_id", "pack", "pack_parts", "parse_headers", "plane_headers", "subject_for",
            "token", "unpack"]
 
 KIND, POD, TOPIC, RANK, SEQ, RUN, MISSED, REASON, COUNT, MODEL = (
@@ -39,6 +43,7 @@ MAX_PACK = 4096
 MSG_ID = "Nats-Msg-Id"
 KINDS = ("batch", "reset", "gap")
 _BAD = re.compile(r"[^A-Za-z0-9_\-]")
+_HEX = re.compile(r"[0-9a-f]{16}")
 
 
 def token(name: str) -> str:
@@ -51,8 +56,19 @@ def subject_for(prefix: str, model: str, pod: str) -> str:
     return f"{prefix}.{token(model or 'default')}.{token(pod)}"
 
 
-def msg_id(pod: str, run: int, kind: str, seq: int) -> str:
-    return f"{pod}:{run}:{kind}:{seq}"
+def msg_id(pod: str, run: int, kind: str, seq: int, nonce: str | None = None) -> str:
+    """A message's ``Nats-Msg-Id``; a fresh random nonce unless one is given."""
+    return f"{pod}:{run}:{kind}:{seq}:{os.urandom(8).hex() if nonce is None else nonce}"
+
+
+def id_matches(m: "PlaneMsg", mid: str | None) -> bool:
+    """Whether ``mid`` is an id the plane's writers give a message with headers ``m``: the
+    headers' own ``<pod>:<run>:<kind>:<seq>:`` and a 16-hex-digit nonce."""
+    if not mid:
+        return False
+    head = f"{m.pod}:{m.run}:{m.kind}:{m.seq}:"
+    nonce = mid[len(head):]
+    return mid.startswith(head) and len(nonce) == 16 and _HEX.fullmatch(nonce) is not None
 
 
 def plane_headers(kind: str, pod: str, topic: str, rank: int, seq: int, run: int,
