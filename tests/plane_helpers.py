@@ -103,8 +103,9 @@ def wait_for(cond, what: str, deadline: float = 30.0, pump=None):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def read_all(url: str, durable: str = "check", **kw) -> list:
-    """Every delivery the stream holds now, through a fresh JetStreamSource."""
+def read_all(url: str, durable: str = "check", health: dict | None = None, **kw) -> list:
+    """Every delivery the stream holds now, through a fresh JetStreamSource (its per-pod health
+    into ``health`` if given)."""
     from kvevents.transport.nats.source import JetStreamSource
 
     _, last = stream_state(url)
@@ -113,4 +114,23 @@ def read_all(url: str, durable: str = "check", **kw) -> list:
         wait_for(lambda: src.position >= last, f"reading the stream up to seq {last}", pump=lambda: out.extend(src.poll(50)))
         out.extend(src.poll(0))
         stats = src.stats()
+        if health is not None:
+            health.update(src.health())
     return out, stats
+
+
+def forge(url: str, subject: str, headers: dict | None, body: bytes = b"") -> dict:
+    """Publish one message as an attacker would (a plain client, our headers or none); the ack as a dict."""
+    import asyncio
+    import json
+
+    import nats
+
+    async def go():
+        nc = await nats.connect(url)
+        try:
+            reply = await nc.request(subject, body, timeout=5, headers=headers)
+            return json.loads(reply.data)
+        finally:
+            await nc.close()
+    return asyncio.run(go())

@@ -17,6 +17,13 @@ the connection writes its buffer out (nats-py's path copied a large body four to
 the pack, two concatenations, the buffer join, the partial-send remainder). Acknowledgements
 arrive on one wildcard subscription and are matched by ordinal. The resend after a failure
 uses nats-py's request path (``js.publish``), one message at a time.
+
+Acknowledgements are read as JSON. One that says ``duplicate`` means the stream already holds a
+message under this id: our own from an earlier send (a re-send), or someone else's stored first
+(then ours was NOT stored). The sender reads the held message back and compares it with ours;
+if it differs it counts ``not_stored`` and puts a GAP control message with reason ``forged``
+for that message's batches into the stream (``forged_reports``), so no reader takes the other
+message for the pod's. A held message it cannot read back is counted (``unverified_duplicates``).
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from ...errors import DecodeError
 from ._loop import LoopThread, connect
-from .wire import StreamSpec
+from .wire import StreamSpec, parse_headers, plane_headers
 
 
 def body_bytes(body) -> bytes:
@@ -62,6 +70,7 @@ class Outgoing:
     sent_at: float = 0.0
     future: object = None
     acked: bool = False
+    windowed: bool = True  #: holds a place in the window (a report the sender adds itself may not)
 
 
 class PlaneSender:
@@ -75,7 +84,7 @@ class PlaneSender:
         self.ack_timeout = ack_timeout
         self.stats = {"sent": 0, "acked": 0, "duplicates": 0, "resent": 0, "ack_failures": 0, "window_waits": 0,
                       "reordered": 0, "disconnects": 0, "reconnects": 0, "errors": 0, "bytes": 0,
-                      "not_stored": 0, "unverified_duplicates": 0}
+                      "not_stored": 0, "unverified_duplicates": 0, "forged_reports": 0}
         #: called on the sender's loop with an :class:`Outgoing` whose id the stream already held
         #: for a DIFFERENT message (a forgery under our id): ours was not stored (see ``_verify``)
         self.on_not_stored = on_not_stored
@@ -203,18 +212,35 @@ class PlaneSender:
         if held.data == body_bytes(out.body) and all(hdrs.get(k) == v for k, v in out.headers.items()):
             return  # our own message, stored by an earlier send
         self.stats["not_stored"] += 1
+        self._report_not_stored(out)
         if self.on_not_stored is not None:
             try:
                 self.on_not_stored(out)
             except Exception:
                 self.stats["errors"] += 1
 
+    def _report_not_stored(self, out: Outgoing) -> None:
+        """Tell every reader that the batches of ``out`` are not in the stream: a GAP control
+        message with reason ``forged`` for them (readers deliver it even for seqs they delivered:
+        what they applied there was not the pod's)."""
+        try:
+            m = parse_headers(out.headers)
+        except DecodeError:
+            return  # not a plane message: nothing to report it as
+        if m.kind != "batch":
+            return  # a control message: its loss is the forger's message's meaning, nothing to say
+        h = plane_headers("gap", m.pod, m.topic, m.rank, m.seq, m.run, m.count, "forged", m.model)
+        gap = self._make(out.subject, b"", h)
+        gap.windowed = self._room.acquire(blocking=False)  # on the loop: never wait for room here
+        self.stats["forged_reports"] += 1
+        self._enqueue(gap)
+
     def _settle(self) -> None:
         inflight = self._inflight
         while inflight and inflight[0].acked:
-            inflight.popleft()
+            if inflight.popleft().windowed:
+                self._room.release()
             self.stats["acked"] += 1
-            self._room.release()
 
     def _sweep(self) -> None:
         """An acknowledgement that never came (lost with a connection) counts as failed."""
