@@ -122,21 +122,23 @@ def test_a_snapshot_carries_the_pod_positions_it_covers(nats_server) -> None:
 
     import nats
 
+    from kvevents.transport.nats.wire import StreamSpec
     from kvservice.planestore import PlaneStore
 
     async def go():
         nc = await nats.connect(nats_server.url)
         try:
+            await StreamSpec().ensure(nc.jetstream())
             store = PlaneStore(nc.jetstream(), storage="memory")
             await store.open()
-            await store.save("r1", b"snap", 42, {"A": (0, 9, "kv@A@m"), "B": (2, 4, "kv@B@m")})
-            got = await store.load_with_pods("r1")
-            await store.save("r2", b"old", 7)  # a snapshot that names no positions
-            return got, await store.load_with_pods("r2")
+            await store.save("r1", b"snap", 0, {"A": (0, 9, "kv@A@m"), "B": (2, 4, "kv@B@m")})
+            got = await store.load("r1")
+            await store.save("r2", b"old", 0)  # a snapshot that names no positions
+            return got, await store.load("r2")
         finally:
             await nc.close()
-    (data, pods), (old, none) = asyncio.run(go())
-    assert data == b"snap" and pods == {"A": (0, 9, "kv@A@m"), "B": (2, 4, "kv@B@m")}
+    (data, seq, pods), (old, _, none) = asyncio.run(go())
+    assert data == b"snap" and seq == 0 and pods == {"A": (0, 9, "kv@A@m"), "B": (2, 4, "kv@B@m")}
     assert old == b"old" and none == {}
 
 
