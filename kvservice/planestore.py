@@ -203,7 +203,8 @@ class PlaneStore:
                 raise SnapshotLoadError(f"snapshot {name!r}: its meta names no data")
             if not info.size:
                 return b"", info
-            sub = await self.js.subscribe(f"$O.{self.snapshots_bucket}.C.{info.nuid}", ordered_consumer=True)
+            sub = await self.js.subscribe(f"$O.{self.snapshots_bucket}.C.{info.nuid}", stream=f"OBJ_{self.snapshots_bucket}",
+                                          ordered_consumer=True)
             parts: list[bytes] = []
             got, done, waited, replaced = 0, False, 0.0, False
             try:

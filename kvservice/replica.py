@@ -103,7 +103,7 @@ class Replica:
     async def _open(self, url: str, ttl: float) -> None:
         self.nc = await connect(url, f"kvevents-replica-{self.name}")
         self.js = self.nc.jetstream()
-        await self.stream.ensure(self.js)
+        await self.stream.ensure(self.js, update=False)
         self.store = PlaneStore(self.js, stream=self.stream.name, ttl=ttl, storage=self.stream.storage)
         await self.store.open()
         self.identity = await self.store.identity()  #: the stream this replica reads (snapshots are sealed with it)

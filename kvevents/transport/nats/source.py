@@ -124,7 +124,7 @@ class JetStreamSource(EventSource):
 
         self.nc = await connect(self.url, f"kvevents-source-{self.durable}", on_event=self._event)
         self.js = self.nc.jetstream()
-        await self.stream.ensure(self.js)
+        await self.stream.ensure(self.js, update=False)
         try:  # a replica (re)starts from ITS snapshot: the old consumer's position means nothing now
             await self.js.delete_consumer(self.stream.name, self.durable)
         except NotFoundError:

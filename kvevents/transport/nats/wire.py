@@ -212,8 +212,9 @@ class StreamSpec:
     def subjects(self) -> str:
         return f"{self.prefix}.>"
 
-    async def ensure(self, js) -> None:
-        """Create the stream, or update its bounds if it exists."""
+    async def ensure(self, js, *, update: bool = True) -> None:
+        """Create the stream, or update its bounds if it exists (a writer's part: readers pass
+        ``update=False`` and leave an existing stream as it is — their users may not change it)."""
         from nats.js import api
         from nats.js.errors import NotFoundError
 
@@ -227,4 +228,5 @@ class StreamSpec:
         except NotFoundError:
             await js.add_stream(cfg)
         else:
-            await js.update_stream(cfg)
+            if update:
+                await js.update_stream(cfg)
