@@ -21,8 +21,11 @@ may have moved on in the part that was lost, so its next run and seq are taken a
 comes (nothing to check it against: a replica's snapshot seeds what it covered).
 
 Two messages for the same batch under different ids (the second one is a duplicate by seq, but
-not a re-send of the first: a re-send has the same id) mean one of them is not the pod's: the
-batch applied there is doubtful, a GAP with reason ``conflict`` says so (``conflicts``). A GAP
+not a re-send of the first: a re-send has the same id) mean one of them is not the pod's; which
+one cannot be told in band: counted (``conflicts``, ``malformed["conflict"]`` in the pod's
+health), the first one stands, no GAP (a forgery that comes second must not take a live pod out
+of routing). A forgery that is first at a pod's next seq, with a well-formed id, is applied:
+only the server's permissions (:mod:`.permissions`) keep it out of the stream. A GAP
 control message with reason ``forged`` (a writer's acknowledgement showed its own message was
 not stored, another was, under its id) is delivered even for seqs already delivered
 (``forged_reported``).
@@ -177,16 +180,13 @@ class PodChecks:
         seq = m.seq
         last = st.last_seq
         if seq <= last and seq == st.last_first and mid != st.last_id:
-            # the same batch again under another id: not a re-send; one of the two is not the pod's
-            n = min(last, seq + len(bodies) - 1) - seq + 1
+            # the same batch again under another id: not a re-send (a re-send keeps its id); one
+            # of the two is not the pod's, and which one cannot be told here. Counted, in the
+            # pod's health too; no GAP: a forgery that comes second must not take a live pod out
+            # of routing (one that won the race was applied: only the server's permissions stop that)
             self.stats["conflicts"] += 1
-            h.gaps += 1
-            h.unrecoverable += n
-            out.append(Delivery(GAP, m.pod, m.router_topic, seq, None, now, n, reason="conflict"))
-            seq += n
-            bodies = bodies[n:]
-            if not bodies:
-                return
+            h.malformed["conflict"] = h.malformed.get("conflict", 0) + 1
+            return
         if seq + len(bodies) - 1 > last:
             st.last_id, st.last_first = mid, m.seq
         if seq > last:  # the usual case: every batch of the message is new, in order
