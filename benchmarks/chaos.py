@@ -2,6 +2,7 @@
 
     python benchmarks/chaos.py            # the full run (several minutes)
     python benchmarks/chaos.py --quick    # a smoke run
+    python benchmarks/chaos.py --set plane [--quick]   # the event plane's attack set (benchmarks/chaos_plane.py)
 
 Sections (each row says what was done and what came of it):
 
@@ -366,7 +367,13 @@ def main() -> None:
                     help="run the attacker process at nice 19 and SCHED_BATCH, as a peer on another machine would "
                          "cost this one nothing but its traffic (on a 2-core machine the attacker's own CPU otherwise "
                          "preempts the engine thread: involuntary switches of the caller inside publish())")
+    ap.add_argument("--set", choices=["peers", "plane"], default="peers",
+                    help="plane: attacks on the NATS event plane (benchmarks/chaos_plane.py) instead")
     args = ap.parse_args()
+    if args.set == "plane":
+        from benchmarks import chaos_plane
+        figures = chaos_plane.run(args.quick, args.seed)
+        sys.exit(1 if figures["silent"] or figures["foreign"] else 0)
     scale = 0.02 if args.quick else 1.0
     t0 = time.monotonic()
     rows: list[list] = []

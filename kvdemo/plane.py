@@ -1,7 +1,8 @@
 """``kvevents demo --event-plane nats``: the fleet topology on one machine.
 
 A local nats-server with JetStream (file storage in a temporary directory, a free loopback
-port), N engines publishing over ZeroMQ (ipc:// with replay), one bridge putting their batches
+port, users with per-subject permissions: the bridge may write only its engines' subjects, each
+replica only its own consumer, cover and snapshot; kvevents.transport.nats.permissions), N engines publishing over ZeroMQ (ipc:// with replay), one bridge putting their batches
 into the stream, two router replicas as processes (``python -m kvservice.replica``) reading it,
 saving snapshots and purging under the lease. Mid-run replica ``b`` is killed (SIGKILL) and
 started again: it restores the newest snapshot and reads the stream from there. At the end
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -27,6 +29,7 @@ from typing import TextIO
 from kvevents import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 from kvevents.transport.nats.bridge import Bridge, EngineSpec
 from kvevents.transport.nats.broker import broker_env, find_nats_server
+from kvevents.transport.nats.permissions import auth_config
 
 BLOCK = 16
 
@@ -51,7 +54,8 @@ def _nats_ready(port: int) -> bool:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
             s.recv(4096)
             s.sendall(b"CONNECT {}\r\nPING\r\n")
-            return b"PONG" in s.recv(4096)
+            answer = s.recv(4096)
+            return b"PONG" in answer or b"Authorization Violation" in answer  # (up, and asking for a user)
     except OSError:
         return False
 
@@ -101,22 +105,29 @@ def run_plane_demo(*, duration: float = 6.0, engines: int = 3, seed: int = 0, ou
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="kvplane-"))
     port = _free_port()
-    url = f"nats://127.0.0.1:{port}"
-    procs: dict[str, subprocess.Popen] = {}
-    nats_proc = subprocess.Popen([server, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp / "js")],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=broker_env())
     fleet = [_Engine(f"engine-{i}", tmp, seed + i) for i in range(engines)]
+    users = [{"user": "bridge", "password": secrets.token_hex(8), "role": "bridge",
+              "pods": [("demo", e.name) for e in fleet]}]
+    users += [{"user": f"replica-{n}", "password": secrets.token_hex(8), "role": "replica", "name": n} for n in "ab"]
+    login = {u["user"]: f"nats://{u['user']}:{u['password']}@127.0.0.1:{port}" for u in users}
+    url = f"nats://127.0.0.1:{port}"
+    (tmp / "nats.conf").write_text(auth_config(users))
+    procs: dict[str, subprocess.Popen] = {}
+    nats_proc = subprocess.Popen([server, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp / "js"),
+                                  "-c", str(tmp / "nats.conf")],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=broker_env())
     bridge = None
     stop = threading.Event()
     try:
         _wait(lambda: _nats_ready(port), "nats-server", 15)
-        print(f"nats-server (JetStream, file storage) on {url}, store {tmp / 'js'}", file=out)
-        bridge = Bridge(url, [EngineSpec(e.name, e.pub_ep, e.rep_ep, "demo") for e in fleet])
+        print(f"nats-server (JetStream, file storage) on {url}, store {tmp / 'js'}; users with per-subject "
+              f"permissions: {', '.join(login)}", file=out)
+        bridge = Bridge(login["bridge"], [EngineSpec(e.name, e.pub_ep, e.rep_ep, "demo") for e in fleet])
         bt = threading.Thread(target=bridge.run, args=(stop,), daemon=True)
         bt.start()
         files = {n: tmp / f"replica-{n}.json" for n in ("a", "b")}
         for n in files:
-            procs[n] = _replica(url, n, files[n])
+            procs[n] = _replica(login[f"replica-{n}"], n, files[n])
         print(f"bridge: {engines} engines -> stream KVEVENTS; replicas a, b (snapshots every 0.5 s, purge lease)", file=out)
         t0 = time.monotonic()
         killed = restarted = False
@@ -133,7 +144,7 @@ def run_plane_demo(*, duration: float = 6.0, engines: int = 3, seed: int = 0, ou
                 print(f"[{now:4.1f}s] replica b killed (SIGKILL) at position {_status(files['b']).get('position')}", file=out)
             if killed and not restarted and now >= duration / 2:
                 files["b"].unlink(missing_ok=True)
-                procs["b"] = _replica(url, "b", files["b"])
+                procs["b"] = _replica(login["replica-b"], "b", files["b"])
                 restarted = True
                 print(f"[{now:4.1f}s] replica b restarted", file=out)
             if time.monotonic() >= next_line:
@@ -183,8 +194,10 @@ def _summary(fleet, bridge, st: dict, published: int, out: TextIO) -> int:
               f"{r['ready_after_s'] or 0:.2f} s, snapshots {rep['snapshots_saved']} ({rep['snapshot_bytes']} B), "
               f"purged {rep['purged']}; gaps {src['stream_gaps']}, duplicates {src['duplicates']}, "
               f"malformed {src['malformed']}; digest {r['digest'][:16]}", file=out)
-        trouble = {k: src[k] for k in ("stream_holes", "stream_lost", "hole_gaps", "implied_resets") if src.get(k)}
-        trouble.update({k: rep[k] for k in ("restart_rechecks", "purged_before_read", "restore_failures") if rep.get(k)})
+        trouble = {k: src[k] for k in ("stream_holes", "stream_lost", "hole_gaps", "implied_resets", "rejected", "conflicts",
+                                        "forged_reported") if src.get(k)}
+        trouble.update({k: rep[k] for k in ("restart_rechecks", "purged_before_read", "restore_failures", "snapshots_refused")
+                        if rep.get(k)})
         if trouble or r.get("failures"):
             print(f"  replica {n} detail: {trouble} failures: {r.get('failures')}", file=out)
     same = len({r["digest"] for r in st.values()}) == 1

@@ -1,10 +1,14 @@
 """The replicas' shared state on JetStream: snapshots in an object store bucket, each replica's
 covered stream seq and the purge lease in a key-value bucket.
 
-* ``snapshots`` (object store): one object per replica, ``<replica>``, its latest snapshot; the
-  object's description is ``{"stream_seq": N, "bytes": B, "pods": {pod: [run, seq, topic]}}`` so
-  a starting replica picks the newest without downloading the others, and checks its first
-  message of each pod against what the snapshot covered (``pods``: the event source's positions).
+* ``snapshots`` (object store): one object per replica, ``<replica>``, its latest snapshot as a
+  checksummed envelope (:func:`seal`): the stream's identity (name, creation time, the config
+  that gives its seqs their meaning), the stream seq covered, the event source's per-pod
+  positions (run, seq, topic) and the router's snapshot, with a SHA-256 over all of it. A
+  starting replica trusts nothing outside it: the object's description (``{"stream_seq": N}``)
+  only orders the candidates, so it picks the newest without downloading the others. A snapshot
+  of another stream (deleted and re-created), of another stream config, with positions that do
+  not agree with the stream, or damaged, is refused (:class:`SnapshotRefused`, its reason named).
 * ``replicas`` (key-value, entries expire after ``ttl`` seconds): ``cover.<replica>`` = the
   stream seq that replica's saved snapshot covers (it re-puts it every heartbeat, so a dead
   replica's entry disappears after ``ttl``); ``purge-lease`` = who purges now (``create`` only
@@ -23,11 +27,63 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import struct
 import time
 
 from kvevents.errors import KVEventsError
 
-__all__ = ["PlaneStore"]
+__all__ = ["PlaneStore", "SnapshotRefused", "open_envelope", "seal", "stream_identity"]
+
+MAGIC = b"KVPLANE1"
+_HLEN = struct.Struct(">I")
+
+
+def stream_identity(name: str, subjects: list[str], created) -> dict:
+    """What a snapshot's seqs are seqs OF: the stream (its name and creation time: a stream
+    deleted and re-created under the same name is another stream) and its config (the subjects
+    it holds)."""
+    config = hashlib.sha256(json.dumps({"name": name, "subjects": sorted(subjects)}).encode()).hexdigest()[:16]
+    return {"stream": name, "created": str(created), "config": config}
+
+
+def seal(identity: dict, stream_seq: int, pods: dict, router_snapshot: bytes) -> bytes:
+    """The snapshot object: MAGIC, a header (identity, covered seq, positions), the router's
+    snapshot, and a SHA-256 of everything before it."""
+    head = json.dumps({**identity, "stream_seq": stream_seq,
+                       "pods": {p: [int(v[0]), int(v[1]), str(v[2])] for p, v in pods.items()}}).encode()
+    body = b"".join((MAGIC, _HLEN.pack(len(head)), head, router_snapshot))
+    return body + hashlib.sha256(body).digest()
+
+
+def open_envelope(data: bytes, identity: dict, last_seq: int) -> tuple[bytes, int, dict[str, tuple]]:
+    """(router snapshot, stream seq, per-pod positions) of a sealed snapshot, checked against the
+    stream it is meant for (``identity``; ``last_seq``: the stream's last seq now); a
+    :class:`SnapshotRefused` names why not."""
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _HLEN.size + 32:
+        raise SnapshotRefused("format", "not a sealed event-plane snapshot (an older format, or another object)")
+    body, digest = data[:-32], data[-32:]
+    if hashlib.sha256(body).digest() != digest:
+        raise SnapshotRefused("checksum", "its checksum does not match its bytes (damaged)")
+    n = _HLEN.unpack_from(body, len(MAGIC))[0]
+    start = len(MAGIC) + _HLEN.size
+    try:
+        head = json.loads(body[start:start + n])
+        seq = head["stream_seq"]
+        pods = {str(p): (v[0], v[1], v[2]) for p, v in head["pods"].items()}
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise SnapshotRefused("positions", f"its header cannot be read ({exc})") from None
+    if head.get("stream") != identity["stream"] or head.get("created") != identity["created"]:
+        raise SnapshotRefused("another-stream", f"it covers stream {head.get('stream')!r} created "
+                                                f"{head.get('created')}, not the one created {identity['created']}")
+    if head.get("config") != identity["config"]:
+        raise SnapshotRefused("another-config", f"it covers stream config {head.get('config')}, "
+                                                f"the stream's is {identity['config']}")
+    ok = type(seq) is int and 0 <= seq <= last_seq and all(
+        type(r) is int and type(q) is int and type(t) is str and r >= 0 and q >= -1 for r, q, t in pods.values())
+    if not ok:
+        raise SnapshotRefused("positions", f"its positions do not fit the stream (seq {seq!r}, stream's last "
+                                           f"{last_seq}, {len(pods)} pods)")
+    return body[start + n:], seq, pods
 
 LEASE = "purge-lease"
 
@@ -71,11 +127,20 @@ class PlaneStore:
 
     # ---- snapshots ------------------------------------------------------------------------------
 
-    async def save(self, replica: str, data: bytes, stream_seq: int, pods: dict | None = None) -> None:
+    async def identity(self) -> dict:
+        """The stream's identity now (see :func:`stream_identity`)."""
+        info = await self.js.stream_info(self.stream)
+        return stream_identity(self.stream, list(info.config.subjects or []), info.created)
+
+    async def save(self, replica: str, data: bytes, stream_seq: int, pods: dict | None = None,
+                   identity: dict | None = None) -> None:
+        """Save the router snapshot ``data`` sealed with what it covers (``identity``: the stream's,
+        read now if not given)."""
         from nats.js import api
 
-        desc = json.dumps({"stream_seq": stream_seq, "bytes": len(data), "saved_at": time.time(), "pods": pods or {}})
-        await self.obs.put(replica, data, meta=api.ObjectMeta(name=replica, description=desc))
+        sealed = seal(identity or await self.identity(), stream_seq, pods or {}, data)
+        desc = json.dumps({"stream_seq": stream_seq, "bytes": len(sealed), "saved_at": time.time()})
+        await self.obs.put(replica, sealed, meta=api.ObjectMeta(name=replica, description=desc))
 
     async def candidates(self) -> list[tuple[int, str]]:
         """Saved snapshots as (stream_seq, object name), newest first.
@@ -110,23 +175,18 @@ class PlaneStore:
         out.sort(reverse=True)
         return out
 
-    async def load(self, name: str) -> bytes:
-        return (await self.load_with_pods(name))[0]
-
-    async def load_with_pods(self, name: str) -> tuple[bytes, dict[str, tuple]]:
-        """The snapshot's bytes and the per-pod positions it covers ({} if it names none)."""
-        data, info = await self._read(name)
-        try:
-            raw = json.loads(info.description or "{}").get("pods") or {}
-            pods = {str(p): (int(v[0]), int(v[1]), str(v[2])) for p, v in raw.items()}
-        except (ValueError, TypeError, AttributeError, IndexError, KeyError):
-            pods = {}  # a foreign or damaged description: the first message of each pod is taken as it comes
-        return data, pods
+    async def load(self, name: str, identity: dict | None = None) -> tuple[bytes, int, dict[str, tuple]]:
+        """(router snapshot, stream seq, per-pod positions) of a saved snapshot, checked against the
+        stream (``identity``, read now if not given); :class:`SnapshotRefused` names why not."""
+        data, _ = await self.read(name)
+        identity = identity or await self.identity()
+        last = (await self.js.stream_info(self.stream)).state.last_seq
+        return open_envelope(data, identity, last)
 
     CHUNK_POLL = 0.25  #: seconds without a chunk before a read checks whether the object was replaced
     CHUNK_WAIT = 5.0  #: seconds without a chunk (the object unchanged) before the read fails
 
-    async def _read(self, name: str):
+    async def read(self, name: str):
         """One object's bytes and info, read chunk by chunk, checked against its size and digest.
 
         A replica re-saves its object every few seconds, and a save purges the previous version's
@@ -143,7 +203,8 @@ class PlaneStore:
                 raise SnapshotLoadError(f"snapshot {name!r}: its meta names no data")
             if not info.size:
                 return b"", info
-            sub = await self.js.subscribe(f"$O.{self.snapshots_bucket}.C.{info.nuid}", ordered_consumer=True)
+            sub = await self.js.subscribe(f"$O.{self.snapshots_bucket}.C.{info.nuid}", stream=f"OBJ_{self.snapshots_bucket}",
+                                          ordered_consumer=True)
             parts: list[bytes] = []
             got, done, waited, replaced = 0, False, 0.0, False
             try:
@@ -278,3 +339,12 @@ class PlaneStore:
 
 class SnapshotLoadError(KVEventsError):
     """No saved snapshot could be restored (each failure is named)."""
+
+
+class SnapshotRefused(KVEventsError):
+    """A snapshot that reads back whole but does not belong here: ``reason`` is one of
+    ``format``, ``checksum``, ``another-stream``, ``another-config``, ``positions``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason

@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import importlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -33,9 +34,11 @@ from kvevents.transport.nats._loop import LoopThread, connect
 from kvevents.transport.nats.source import JetStreamSource
 from kvevents.transport.nats.wire import StreamSpec
 
-from .planestore import PlaneStore
+from .planestore import PlaneStore, SnapshotRefused
 
 __all__ = ["Replica", "state_digest"]
+
+log = logging.getLogger("kvservice.replica")
 
 
 def state_digest(router) -> str:
@@ -75,7 +78,9 @@ class Replica:
                          "snapshots_skipped": 0, "snapshot_errors": 0, "restore_failures": 0, "cold_starts": 0,
                          "restored_seq": 0, "restore_s": 0.0, "purged": 0, "purge_errors": 0, "cover_errors": 0,
                          "snapshots_unsupported": 0, "restart_rechecks": 0, "purged_before_read": 0,
-                         "snapshots_deferred": 0}
+                         "snapshots_deferred": 0, "snapshots_refused": 0}
+        #: why the replica did not restore a snapshot (None: it restored one); in status()
+        self.cold_start_reason: str | None = None
         self.failures: list[str] = []
         self._lt = LoopThread(f"kvevents-replica-{name}")
         self._upload: Future | None = None
@@ -98,9 +103,10 @@ class Replica:
     async def _open(self, url: str, ttl: float) -> None:
         self.nc = await connect(url, f"kvevents-replica-{self.name}")
         self.js = self.nc.jetstream()
-        await self.stream.ensure(self.js)
+        await self.stream.ensure(self.js, update=False)
         self.store = PlaneStore(self.js, stream=self.stream.name, ttl=ttl, storage=self.stream.storage)
         await self.store.open()
+        self.identity = await self.store.identity()  #: the stream this replica reads (snapshots are sealed with it)
 
     STARTUP_STEP_S = 30.0  #: the most one start-up step may take before the replica gives up, naming it
 
@@ -151,17 +157,29 @@ class Replica:
             if (seq, obj) in self._bad:
                 continue
             try:
-                data, pods = self._lt.call(self.store.load_with_pods(obj))
+                data, covered, pods = self._lt.call(self.store.load(obj, self.identity))
+                if covered < seq:  # a re-save only moves it on: the listing (its description) was damaged
+                    raise SnapshotRefused("positions", f"its description says seq {seq}, its body {covered}")
                 router = self._factory()  # restored aside: a failure leaves the current state alone
                 info = router.restore(data)
-            except Exception as exc:  # corrupt, truncated, future version, unreadable: the next one
+                if int(getattr(info, "stream_seq", None) or 0) != covered:
+                    raise SnapshotRefused("positions", f"the router's snapshot covers seq {info.stream_seq}, "
+                                                       f"its envelope says {covered}")
+            except Exception as exc:  # refused, corrupt, truncated, future version, unreadable: the next one
                 self.counters["restore_failures"] += 1
                 self._bad.add((seq, obj))
-                self.failures.append(f"snapshot {obj!r} (seq {seq}): {exc}")
+                why = f"snapshot {obj!r} (seq {seq}): {exc}"
+                if isinstance(exc, SnapshotRefused):
+                    self.counters["snapshots_refused"] += 1
+                    key = f"refused_{exc.reason.replace('-', '_')}"
+                    self.counters[key] = self.counters.get(key, 0) + 1
+                self.failures.append(why)
+                self.cold_start_reason = why
+                log.warning("replica %s: not restoring %s", self.name, why)
                 continue
             self.router = router
             self._pods = pods
-            covered = int(getattr(info, "stream_seq", None) or 0)
+            self.cold_start_reason = None
             self.counters["restored_seq"] = covered
             self.counters["restore_s"] = time.perf_counter() - t0
             return covered + 1
@@ -169,6 +187,9 @@ class Replica:
             return None
         self.counters["cold_starts"] += 1
         self._pods = {}
+        if self.cold_start_reason is None:
+            self.cold_start_reason = "no snapshot saved"
+        log.warning("replica %s: cold start, reading the stream from seq 1 (%s)", self.name, self.cold_start_reason)
         return 1
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -214,7 +235,7 @@ class Replica:
 
         async def upload():
             try:
-                await self.store.save(self.name, data, seq, pods)
+                await self.store.save(self.name, data, seq, pods, self.identity)
                 await self.store.cover(self.name, seq)
             except Exception as exc:
                 self.counters["snapshot_errors"] += 1
@@ -258,7 +279,7 @@ class Replica:
         return {"name": self.name, "ready": self.ready, "ready_after_s": self.ready_after, "covered": self.covered,
                 "position": self.source.acked, "source": self.source.stats(),
                 "replica": {**self.counters, "reads_replaced": self.store.reads_replaced},
-                "failures": self.failures[-5:], "entries": self.router.entries(), "digest": state_digest(self.router),
+                "failures": self.failures[-5:], "cold_start_reason": self.cold_start_reason, "entries": self.router.entries(), "digest": state_digest(self.router),
                 "pods": sorted(self.router.pods())}
 
     def write_status(self, path: str) -> None:

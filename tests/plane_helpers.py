@@ -17,9 +17,14 @@ NATS_SERVER = find_nats_server()
 
 
 class NatsServer:
-    def __init__(self, store: Path, config: str | None = None) -> None:
+    def __init__(self, store: Path, config: str | None = None, users: list[dict] | None = None) -> None:
+        from kvevents.transport.nats.permissions import auth_config
+
         self.store = store
         self.config = config  #: nats-server configuration text (e.g. ``max_pending: 1048576``), if any
+        self.users = {u["user"]: u["password"] for u in users or []}
+        if users:  #: users with per-subject permissions (kvevents.transport.nats.permissions)
+            self.config = (config or "") + "\n" + auth_config(users)
         self.port = free_tcp_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -40,11 +45,16 @@ class NatsServer:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                     s.recv(4096)  # INFO
                     s.sendall(b"CONNECT {}\r\nPING\r\n")
-                    if b"PONG" in s.recv(4096):
+                    answer = s.recv(4096)
+                    if b"PONG" in answer or (self.users and b"Authorization Violation" in answer):
                         return
             except OSError:
                 time.sleep(0.02)  # not listening yet: a short back-off between connection attempts
         raise RuntimeError("nats-server did not become ready")
+
+    def url_as(self, user: str) -> str:
+        """The server's URL with a user's credentials in it."""
+        return f"nats://{user}:{self.users[user]}@127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -103,8 +113,9 @@ def wait_for(cond, what: str, deadline: float = 30.0, pump=None):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def read_all(url: str, durable: str = "check", **kw) -> list:
-    """Every delivery the stream holds now, through a fresh JetStreamSource."""
+def read_all(url: str, durable: str = "check", health: dict | None = None, **kw) -> list:
+    """Every delivery the stream holds now, through a fresh JetStreamSource (its per-pod health
+    into ``health`` if given)."""
     from kvevents.transport.nats.source import JetStreamSource
 
     _, last = stream_state(url)
@@ -113,4 +124,23 @@ def read_all(url: str, durable: str = "check", **kw) -> list:
         wait_for(lambda: src.position >= last, f"reading the stream up to seq {last}", pump=lambda: out.extend(src.poll(50)))
         out.extend(src.poll(0))
         stats = src.stats()
+        if health is not None:
+            health.update(src.health())
     return out, stats
+
+
+def forge(url: str, subject: str, headers: dict | None, body: bytes = b"", timeout: float = 5) -> dict:
+    """Publish one message as an attacker would (a plain client, our headers or none); the ack as a dict."""
+    import asyncio
+    import json
+
+    import nats
+
+    async def go():
+        nc = await nats.connect(url)
+        try:
+            reply = await nc.request(subject, body, timeout=timeout, headers=headers)
+            return json.loads(reply.data)
+        finally:
+            await nc.close()
+    return asyncio.run(go())

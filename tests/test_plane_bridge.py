@@ -13,7 +13,7 @@ from consumers import KVRouter
 from kvevents import DeliveryKind, EventPublisherFactory, KVEventsConfig, ZmqEventPublisher, encode_batch
 from kvevents.errors import DecodeError
 from kvevents.transport.nats.bridge import Bridge, EngineSpec
-from kvevents.transport.nats.wire import pack, parse_headers, plane_headers, subject_for, token, unpack
+from kvevents.transport.nats.wire import id_matches, pack, parse_headers, plane_headers, subject_for, token, unpack
 from tests.plane_helpers import nats_server, read_all, stream_state, wait_for  # noqa: F401
 from tests.pubsub_helpers import batch, ipc_pair
 
@@ -30,7 +30,10 @@ def test_subject_tokens_and_headers_are_checked() -> None:
     h = plane_headers("gap", "p", "t", 2, 5, 1, missed=3)
     m = parse_headers(h)
     assert (m.kind, m.pod, m.rank, m.seq, m.run, m.missed, m.reason) == ("gap", "p", 2, 5, 1, 3, "lost")
-    assert h["Nats-Msg-Id"] == "p:1:gap:5"
+    mid = h["Nats-Msg-Id"]
+    assert mid.startswith("p:1:gap:5:") and id_matches(m, mid)  # + a nonce: the next id is unguessable
+    assert plane_headers("gap", "p", "t", 2, 5, 1, missed=3)["Nats-Msg-Id"] != mid
+    assert not id_matches(m, "p:1:gap:5") and not id_matches(m, mid.replace("gap:5", "gap:6"))
     for bad, what in (({**h, "Kv-Kind": "x"}, "Kv-Kind"), ({**h, "Kv-Seq": "-1"}, "Kv-Seq"),
                       ({k: v for k, v in h.items() if k != "Kv-Run"}, "Kv-Run"), (None, "no headers")):
         with pytest.raises(DecodeError, match=what):

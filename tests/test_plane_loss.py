@@ -122,21 +122,23 @@ def test_a_snapshot_carries_the_pod_positions_it_covers(nats_server) -> None:
 
     import nats
 
+    from kvevents.transport.nats.wire import StreamSpec
     from kvservice.planestore import PlaneStore
 
     async def go():
         nc = await nats.connect(nats_server.url)
         try:
+            await StreamSpec().ensure(nc.jetstream())
             store = PlaneStore(nc.jetstream(), storage="memory")
             await store.open()
-            await store.save("r1", b"snap", 42, {"A": (0, 9, "kv@A@m"), "B": (2, 4, "kv@B@m")})
-            got = await store.load_with_pods("r1")
-            await store.save("r2", b"old", 7)  # a snapshot that names no positions
-            return got, await store.load_with_pods("r2")
+            await store.save("r1", b"snap", 0, {"A": (0, 9, "kv@A@m"), "B": (2, 4, "kv@B@m")})
+            got = await store.load("r1")
+            await store.save("r2", b"old", 0)  # a snapshot that names no positions
+            return got, await store.load("r2")
         finally:
             await nc.close()
-    (data, pods), (old, none) = asyncio.run(go())
-    assert data == b"snap" and pods == {"A": (0, 9, "kv@A@m"), "B": (2, 4, "kv@B@m")}
+    (data, seq, pods), (old, _, none) = asyncio.run(go())
+    assert data == b"snap" and seq == 0 and pods == {"A": (0, 9, "kv@A@m"), "B": (2, 4, "kv@B@m")}
     assert old == b"old" and none == {}
 
 
@@ -147,11 +149,15 @@ def test_a_pod_silent_across_two_holes_gets_one_tail_gap() -> None:
     import time as _time
 
     src = JetStreamSource.__new__(JetStreamSource)  # the per-pod bookkeeping alone, no connection
-    src._pods, src._doubt, src.stream_last = {}, None, 20
-    src._stats = {"stream_holes": 0, "stream_lost": 0, "hole_gaps": 0}
+    from kvevents.transport.nats.pods import PodChecks
+
+    src._doubt, src.stream_last = None, 20
+    src._stats = {"stream_holes": 0, "stream_lost": 0}
+    src._checks = PodChecks(src._stats)
+    src._pods = src._checks.pods
     now = _time.time()
     for pod, q in (("B", 20), ("A", 19)):
-        st = src._pod(pod, now)
+        st = src._checks.pod(pod, now)
         st.run, st.last_seq, st.stream_seq = 0, 9, q
     out: list = []
     src._hole(21, 40)

@@ -12,6 +12,10 @@ plane's 16-event-batch rate moved between 487k and 600k events/s across runs; wi
 2-12 faults and 0.8 µs. A server's resident memory then stays nearer its peak (the kernel
 reclaims it under pressure); an operator who wants the other trade sets ``madvdontneed=1``
 in ``GODEBUG`` themselves, which :func:`broker_env` leaves as it is.
+
+Who may publish where: a server we start for the plane (the demo, the tests) gets users with
+per-subject permissions, :func:`~kvevents.transport.nats.permissions.auth_config` (the block a
+deployment copies: docs/event-plane-security.md).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import os
 import shutil
 from collections.abc import Mapping
 
-__all__ = ["RECOMMENDED_GODEBUG", "broker_env", "find_nats_server"]
+from .permissions import auth_config
+
+__all__ = ["RECOMMENDED_GODEBUG", "auth_config", "broker_env", "find_nats_server"]
 
 RECOMMENDED_GODEBUG = "madvdontneed=0"
 

@@ -17,23 +17,44 @@ the connection writes its buffer out (nats-py's path copied a large body four to
 the pack, two concatenations, the buffer join, the partial-send remainder). Acknowledgements
 arrive on one wildcard subscription and are matched by ordinal. The resend after a failure
 uses nats-py's request path (``js.publish``), one message at a time.
+
+Acknowledgements are read as JSON. One that says ``duplicate`` means the stream already holds a
+message under this id: our own from an earlier send (a re-send), or someone else's stored first
+(then ours was NOT stored). The sender reads the held message back and compares it with ours;
+if it differs it counts ``not_stored`` and puts a GAP control message with reason ``forged``
+for that message's batches into the stream (``forged_reports``), so no reader takes the other
+message for the pod's. A held message it cannot read back is counted (``unverified_duplicates``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
+from ...errors import DecodeError
 from ._loop import LoopThread, connect
-from .wire import StreamSpec
+from .wire import StreamSpec, parse_headers, plane_headers
 
 
 def body_bytes(body) -> bytes:
     """A message body as one bytes object (a body may be a list of buffers, see the module doc)."""
     return body if isinstance(body, (bytes, bytearray)) else b"".join(body)
+
+
+def parse_ack(data: bytes) -> dict | None:
+    """A JetStream publish acknowledgement read as JSON (nats-server writes ``"duplicate": true``
+    with a space: matching bytes missed it); None for an error or anything that is not an ack."""
+    try:
+        ack = json.loads(data)
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(ack, dict) or "error" in ack or not isinstance(ack.get("seq"), int):
+        return None
+    return ack
 
 
 def body_len(body) -> int:
@@ -49,11 +70,12 @@ class Outgoing:
     sent_at: float = 0.0
     future: object = None
     acked: bool = False
+    windowed: bool = True  #: holds a place in the window (a report the sender adds itself may not)
 
 
 class PlaneSender:
     def __init__(self, url: str, stream: StreamSpec | None = None, *, window: int = 512, ack_timeout: float = 5.0,
-                 name: str = "kvevents-plane") -> None:
+                 name: str = "kvevents-plane", on_not_stored=None) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
         self.url = url
@@ -61,7 +83,11 @@ class PlaneSender:
         self.window = window
         self.ack_timeout = ack_timeout
         self.stats = {"sent": 0, "acked": 0, "duplicates": 0, "resent": 0, "ack_failures": 0, "window_waits": 0,
-                      "reordered": 0, "disconnects": 0, "reconnects": 0, "errors": 0, "bytes": 0}
+                      "reordered": 0, "disconnects": 0, "reconnects": 0, "errors": 0, "bytes": 0,
+                      "not_stored": 0, "unverified_duplicates": 0, "forged_reports": 0}
+        #: called on the sender's loop with an :class:`Outgoing` whose id the stream already held
+        #: for a DIFFERENT message (a forgery under our id): ours was not stored (see ``_verify``)
+        self.on_not_stored = on_not_stored
         self._room = threading.Semaphore(window)
         self._lt = LoopThread(name)
         self._inflight: deque[Outgoing] = deque()
@@ -149,7 +175,7 @@ class PlaneSender:
         self.stats["bytes"] += size
 
     async def _on_ack_msg(self, msg) -> None:
-        """An acknowledgement of a fast-path message: ``{"stream":..,"seq":..[,"duplicate":true]}``
+        """An acknowledgement of a fast-path message, JSON: ``{"stream":..,"seq":..[,"duplicate": true]}``
         or ``{"error":{...}}``; matched to its message by the ordinal in the reply subject."""
         try:
             ordinal = int(msg.subject[len(self._ack_prefix):])
@@ -158,24 +184,63 @@ class PlaneSender:
         out = self._ack_wait.pop(ordinal, None)
         if out is None or out.future != ordinal or out.acked:
             return  # abandoned by a resync (it re-sent the message itself)
-        data = msg.data
-        if not data or b'"error"' in data or b'"seq"' not in data:
+        ack = parse_ack(msg.data)
+        if ack is None:
             if not self._failed:
                 self.stats["ack_failures"] += 1
             self._failed = True
             self._wake.set()
             return
         out.acked = True
-        if b'"duplicate":true' in data:
+        if ack.get("duplicate") is True:
             self.stats["duplicates"] += 1
+            self._check_duplicate(out, ack["seq"])
         self._settle()
+
+    def _check_duplicate(self, out: Outgoing, seq: int) -> None:
+        """A duplicate ack says the stream already holds a message under our id, at ``seq``:
+        ours (a re-send), or another's stored first (a forgery: ours was NOT stored)."""
+        self._lt.loop.create_task(self._verify(out, seq))
+
+    async def _verify(self, out: Outgoing, seq: int) -> None:
+        try:
+            held = await self.js.get_msg(self.stream.name, seq)
+        except Exception:
+            self.stats["unverified_duplicates"] += 1  # purged meanwhile, or no permission to read it
+            return
+        hdrs = held.headers or {}
+        if held.data == body_bytes(out.body) and all(hdrs.get(k) == v for k, v in out.headers.items()):
+            return  # our own message, stored by an earlier send
+        self.stats["not_stored"] += 1
+        self._report_not_stored(out)
+        if self.on_not_stored is not None:
+            try:
+                self.on_not_stored(out)
+            except Exception:
+                self.stats["errors"] += 1
+
+    def _report_not_stored(self, out: Outgoing) -> None:
+        """Tell every reader that the batches of ``out`` are not in the stream: a GAP control
+        message with reason ``forged`` for them (readers deliver it even for seqs they delivered:
+        what they applied there was not the pod's)."""
+        try:
+            m = parse_headers(out.headers)
+        except DecodeError:
+            return  # not a plane message: nothing to report it as
+        if m.kind != "batch":
+            return  # a control message: its loss is the forger's message's meaning, nothing to say
+        h = plane_headers("gap", m.pod, m.topic, m.rank, m.seq, m.run, m.count, "forged", m.model)
+        gap = self._make(out.subject, b"", h)
+        gap.windowed = self._room.acquire(blocking=False)  # on the loop: never wait for room here
+        self.stats["forged_reports"] += 1
+        self._enqueue(gap)
 
     def _settle(self) -> None:
         inflight = self._inflight
         while inflight and inflight[0].acked:
-            inflight.popleft()
+            if inflight.popleft().windowed:
+                self._room.release()
             self.stats["acked"] += 1
-            self._room.release()
 
     def _sweep(self) -> None:
         """An acknowledgement that never came (lost with a connection) counts as failed."""
@@ -207,6 +272,7 @@ class PlaneSender:
             if ack.duplicate:
                 self.stats["duplicates"] += 1
                 seen_dup = True
+                self._check_duplicate(out, ack.seq)
             elif seen_dup and out.ordinal <= self._last_dup_ordinal:
                 self.stats["reordered"] += 1
             if ack.duplicate:

@@ -20,10 +20,13 @@ acknowledges what the previous one returned (the caller applied it before pollin
 ``KVRouter.run`` does); otherwise call ``ack()`` after applying. ``position`` is the stream seq
 of the last delivery returned, ``acked`` that of the last one acknowledged.
 
-Per pod the source checks what it reads: a batch at or below the pod's last (run, seq) is a
-duplicate (counted, skipped); a run that moves on without a RESET message (the RESET was purged)
-gets a RESET delivery first; a seq that jumps is a GAP delivery. A message whose headers are
-malformed is counted and skipped. Nothing is dropped without a counter.
+Per pod the source checks what it reads (:mod:`.pods`, one place): a batch at or below the pod's
+last (run, seq) is a duplicate (counted, skipped); a run that moves on without a RESET message
+(the RESET was lost in a stream hole) gets a RESET delivery first; a seq that jumps after a hole
+is a GAP delivery. A message that cannot follow from what was seen of its pod (an id that is not
+the plane's for its headers, a run or seq that jumps with no hole to explain it) is rejected:
+counted, and it changes nothing. A message whose headers are malformed is counted and skipped.
+Nothing is dropped without a counter.
 
 Loss in the middle of the stream (the stream's own limits — max_msgs, max_bytes, max_age — drop
 the oldest messages while this reader is behind, or someone deletes messages): the stream seq of
@@ -49,27 +52,14 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from ...delivery import Delivery, DeliveryKind, HealthState, PublisherHealth
-from ...errors import ConfigError, DecodeError
+from ...delivery import Delivery, HealthState
+from ...errors import ConfigError
 from ...source import EventSource
 from ._loop import LoopThread, connect
-from .wire import StreamSpec, parse_headers, unpack
-
-BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
+from .pods import PodChecks
+from .wire import StreamSpec
 
 __all__ = ["JetStreamSource"]
-
-
-class _PodState:
-    __slots__ = ("health", "run", "last_seq", "stream_seq", "topic", "hole_at")
-
-    def __init__(self, pod: str, now: float) -> None:
-        self.health = PublisherHealth(pod, last_recv_ts=now)
-        self.run = -1
-        self.last_seq = -1
-        self.stream_seq = 0  #: stream seq of the last message read for this pod (0: none, or seeded)
-        self.topic = pod  #: the router topic of its last message
-        self.hole_at: tuple[int, int] | None = None  #: (run, last seq) its last tail stream-hole GAP was for
 
 
 class JetStreamSource(EventSource):
@@ -107,17 +97,12 @@ class JetStreamSource(EventSource):
         self.position = (start_seq - 1) if start_seq else 0  #: stream seq of the last delivery returned
         self.acked = self.position  #: stream seq of the last delivery acknowledged
         self.stream_last = 0  #: the stream's last seq, as last read (about once a second)
-        self._stats = {"messages": 0, "deliveries": 0, "duplicates": 0, "malformed": 0, "queue_full_waits": 0,
-                       "fetch_errors": 0, "pull_bytes_raised": 0, "acks": 0, "disconnects": 0, "reconnects": 0,
-                       "errors": 0,
-                       "implied_resets": 0, "stream_gaps": 0, "stream_holes": 0, "stream_lost": 0, "hole_gaps": 0}
-        self._pods: dict[str, _PodState] = {}
-        now = time.time()
-        for pod, (run, last_seq, *topic) in (pods or {}).items():  # what a snapshot covered
-            st = self._pod(pod, now)
-            st.run, st.last_seq = int(run), int(last_seq)
-            st.health.last_seq = st.last_seq
-            st.topic = str(topic[0]) if topic else pod
+        self._stats = {"messages": 0, "deliveries": 0, "queue_full_waits": 0, "fetch_errors": 0,
+                       "pull_bytes_raised": 0, "acks": 0, "disconnects": 0, "reconnects": 0, "errors": 0,
+                       "stream_holes": 0, "stream_lost": 0}
+        self._checks = PodChecks(self._stats)  #: per-pod order and trust checks (see .pods)
+        self._pods = self._checks.pods
+        self._checks.seed(pods or {}, time.time())  # what a snapshot covered
         #: the stream seq the next delivered message must have (0: take the first one's)
         self._next_stream = (start_seq or 0) if self.filter_subject == self.stream.subjects else -1
         self._doubt: tuple[int, int] | None = None  #: open hole: (its first seq, read up to here to close it)
@@ -139,7 +124,7 @@ class JetStreamSource(EventSource):
 
         self.nc = await connect(self.url, f"kvevents-source-{self.durable}", on_event=self._event)
         self.js = self.nc.jetstream()
-        await self.stream.ensure(self.js)
+        await self.stream.ensure(self.js, update=False)
         try:  # a replica (re)starts from ITS snapshot: the old consumer's position means nothing now
             await self.js.delete_consumer(self.stream.name, self.durable)
         except NotFoundError:
@@ -291,7 +276,7 @@ class JetStreamSource(EventSource):
                 if q > self._next_stream > 0:
                     self._hole(self._next_stream, q)
                 self._next_stream = q + 1
-            self._one(msg, q, now, out)
+            self._checks.one(msg, q, now, out, None if self._doubt is None else self._doubt[0])
         last = msgs[-1]
         self._last_msg = last
         self.position = last.metadata.sequence.stream
@@ -300,12 +285,6 @@ class JetStreamSource(EventSource):
         self._stats["messages"] += len(msgs)
         self._stats["deliveries"] += len(out)
         return out
-
-    def _pod(self, name: str, now: float) -> _PodState:
-        st = self._pods.get(name)
-        if st is None:
-            st = self._pods[name] = _PodState(name, now)
-        return st
 
     def _hole(self, first: int, got: int) -> None:
         """Stream seqs ``first`` .. ``got - 1`` are gone: count them, open (or widen) the doubt."""
@@ -323,12 +302,7 @@ class JetStreamSource(EventSource):
             # nothing since, gets no second GAP for a second hole: it would say the same thing
             if st.stream_seq < start and st.hole_at != (st.run, st.last_seq):
                 st.hole_at = (st.run, st.last_seq)
-                self._hole_gap(st, st.health.publisher, st.last_seq + 1, st.topic, now, out)
-
-    def _hole_gap(self, st: _PodState, pod: str, seq: int, topic: str, now: float, out: list) -> None:
-        self._stats["hole_gaps"] += 1
-        st.health.gaps += 1
-        out.append(Delivery(GAP, pod, topic, seq, None, now, 0, reason="stream-hole"))
+                self._checks.hole_gap(st, st.health.publisher, st.last_seq + 1, st.topic, now, out)
 
     def positions(self) -> dict[str, tuple[int, int, str]]:
         """Per pod (run, last seq, topic) as of ``position``: what a snapshot taken now covers (seed a
@@ -341,93 +315,6 @@ class JetStreamSource(EventSource):
     def in_doubt(self) -> bool:
         """A stream hole was seen and not every pod is cleared of it yet (see the module doc)."""
         return self._doubt is not None
-
-    def _one(self, msg, q: int, now: float, out: list) -> None:
-        try:
-            m = parse_headers(msg.headers)
-        except DecodeError:
-            self._stats["malformed"] += 1
-            return
-        st = self._pod(m.pod, now)
-        doubted = self._doubt is not None and st.stream_seq < self._doubt[0]
-        st.stream_seq = q
-        st.topic = m.router_topic
-        h = st.health
-        h.received += 1
-        h.last_recv_ts = now
-        if doubted and st.run < 0:  # first met inside a hole: what it lost before this is unknowable
-            self._hole_gap(st, m.pod, m.seq, m.router_topic, now, out)
-        if m.run < st.run:
-            self._stats["duplicates"] += 1  # an older run, seen before
-            return
-        if m.kind == "reset":
-            if m.run == st.run:
-                self._stats["duplicates"] += 1
-                return
-            st.run, st.last_seq = m.run, -1  # the new run starts afresh (its early seqs may follow)
-            h.resets += 1
-            out.append(Delivery(RESET, m.pod, m.router_topic, m.seq, None, now))
-            return
-        if m.run > st.run:
-            if st.run >= 0:  # the run moved on and its RESET is not in what we read
-                self._stats["implied_resets"] += 1
-                h.resets += 1
-                out.append(Delivery(RESET, m.pod, m.router_topic, m.seq, None, now))
-                st.last_seq = -1
-                if doubted:  # the new run's first batches may lie in the hole with its RESET
-                    self._hole_gap(st, m.pod, m.seq, m.router_topic, now, out)
-            else:
-                st.last_seq = m.seq - 1  # first sight of this pod: start where the stream does
-            st.run = m.run
-        if m.kind == "gap":
-            end = m.seq + m.missed - 1
-            if end <= st.last_seq:
-                self._stats["duplicates"] += 1
-                return
-            h.gaps += 1
-            h.unrecoverable += m.missed
-            st.last_seq = end
-            out.append(Delivery(GAP, m.pod, m.router_topic, m.seq, None, now, m.missed, reason=m.reason))
-            return
-        if m.count > 1:
-            try:
-                bodies = unpack(msg.data, m.count)
-            except DecodeError:
-                self._stats["malformed"] += 1
-                h.malformed["packed"] = h.malformed.get("packed", 0) + 1
-                return
-        else:
-            bodies = (msg.data,)
-        seq = m.seq
-        last = st.last_seq
-        if seq > last:  # the usual case: every batch of the message is new, in order
-            if seq > last + 1 and last >= 0:
-                self._batch(st, m, seq, bodies[0], now, out)  # the jump: a GAP, then the batch
-                seq += 1
-                bodies = bodies[1:]
-            pod, topic = m.pod, m.router_topic
-            out.extend([Delivery(BATCH, pod, topic, s, None, now, 0, False, "", body)
-                        for s, body in enumerate(bodies, seq)])
-            st.last_seq = h.last_seq = seq + len(bodies) - 1
-            return
-        for body in bodies:
-            self._batch(st, m, seq, body, now, out)
-            seq += 1
-
-    def _batch(self, st: _PodState, m, seq: int, body: bytes, now: float, out: list) -> None:
-        h = st.health
-        if seq <= st.last_seq:
-            self._stats["duplicates"] += 1
-            return
-        if seq > st.last_seq + 1 and st.last_seq >= 0:
-            self._stats["stream_gaps"] += 1
-            h.gaps += 1
-            h.unrecoverable += seq - st.last_seq - 1
-            out.append(Delivery(GAP, m.pod, m.router_topic, st.last_seq + 1, None, now, seq - st.last_seq - 1,
-                                reason="lost"))
-        st.last_seq = seq
-        h.last_seq = seq
-        out.append(Delivery(BATCH, m.pod, m.router_topic, seq, None, now, 0, False, "", body))
 
     def __iter__(self):
         while not self._closed:

@@ -15,7 +15,10 @@ the engine's raw vLLM payload, untouched; its headers say where it came from:
 ``Kv-Missed``   gap only: how many batches were lost; ``Kv-Reason`` why
 ``Kv-Count``    batch only, when the bridge packs: this message holds that many consecutive
                 batches (seq, seq+1, ...), each as a 4-byte big-endian length then the payload
-``Nats-Msg-Id`` ``<pod>:<run>:<kind>:<seq>`` — JetStream's duplicate window drops a re-send
+``Nats-Msg-Id`` ``<pod>:<run>:<kind>:<seq>:<nonce>`` — JetStream's duplicate window drops a
+                re-send (the same message, same id); the nonce (16 random hex digits per
+                message) makes the id of a batch not yet sent unguessable, so nobody can
+                store a message first under it and have JetStream drop the real one
 ==============  =========================================================================
 
 Control messages travel in the same stream as the batches, so every consumer sees a pod's
@@ -24,13 +27,14 @@ RESET and GAP in order with its batches.
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 from dataclasses import dataclass
 
 from ...errors import ConfigError, DecodeError
 
-__all__ = ["PlaneMsg", "StreamSpec", "msg_id", "pack", "pack_parts", "parse_headers", "plane_headers", "subject_for",
+__all__ = ["PlaneMsg", "StreamSpec", "id_matches", "msg_id", "pack", "pack_parts", "parse_headers", "plane_headers", "subject_for",
            "token", "unpack"]
 
 KIND, POD, TOPIC, RANK, SEQ, RUN, MISSED, REASON, COUNT, MODEL = (
@@ -39,6 +43,7 @@ MAX_PACK = 4096
 MSG_ID = "Nats-Msg-Id"
 KINDS = ("batch", "reset", "gap")
 _BAD = re.compile(r"[^A-Za-z0-9_\-]")
+_HEX = re.compile(r"[0-9a-f]{16}")
 
 
 def token(name: str) -> str:
@@ -51,8 +56,31 @@ def subject_for(prefix: str, model: str, pod: str) -> str:
     return f"{prefix}.{token(model or 'default')}.{token(pod)}"
 
 
-def msg_id(pod: str, run: int, kind: str, seq: int) -> str:
-    return f"{pod}:{run}:{kind}:{seq}"
+_pool = b""  #: random bytes from the OS, taken 8 at a time (one getrandom call per 512 nonces)
+_at = 0
+
+
+def _nonce() -> str:
+    global _pool, _at
+    if _at + 8 > len(_pool):
+        _pool, _at = os.urandom(4096), 0
+    _at += 8
+    return _pool[_at - 8:_at].hex()
+
+
+def msg_id(pod: str, run: int, kind: str, seq: int, nonce: str | None = None) -> str:
+    """A message's ``Nats-Msg-Id``; a fresh random nonce unless one is given."""
+    return f"{pod}:{run}:{kind}:{seq}:{_nonce() if nonce is None else nonce}"
+
+
+def id_matches(m: "PlaneMsg", mid: str | None) -> bool:
+    """Whether ``mid`` is an id the plane's writers give a message with headers ``m``: the
+    headers' own ``<pod>:<run>:<kind>:<seq>:`` and a 16-hex-digit nonce."""
+    if not mid:
+        return False
+    head = f"{m.pod}:{m.run}:{m.kind}:{m.seq}:"
+    n = len(head)
+    return len(mid) == n + 16 and mid.startswith(head) and _HEX.fullmatch(mid, n) is not None
 
 
 def plane_headers(kind: str, pod: str, topic: str, rank: int, seq: int, run: int,
@@ -196,8 +224,9 @@ class StreamSpec:
     def subjects(self) -> str:
         return f"{self.prefix}.>"
 
-    async def ensure(self, js) -> None:
-        """Create the stream, or update its bounds if it exists."""
+    async def ensure(self, js, *, update: bool = True) -> None:
+        """Create the stream, or update its bounds if it exists (a writer's part: readers pass
+        ``update=False`` and leave an existing stream as it is — their users may not change it)."""
         from nats.js import api
         from nats.js.errors import NotFoundError
 
@@ -211,4 +240,5 @@ class StreamSpec:
         except NotFoundError:
             await js.add_stream(cfg)
         else:
-            await js.update_stream(cfg)
+            if update:
+                await js.update_stream(cfg)
