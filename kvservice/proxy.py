@@ -145,6 +145,10 @@ class Proxy:
                 raw.decode("utf-8")  # the pod gets these exact bytes: never invalid UTF-8
             body = _BODY.decode(raw)
         except msgspec.ValidationError:
+            try:
+                _ANY.decode(raw)
+            except (msgspec.DecodeError, RecursionError) as exc:
+                raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
             raise ApiError(400, "the request body must be a JSON object") from None
         except msgspec.DecodeError as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
