@@ -130,7 +130,7 @@ def start(tmp_path):
 
     def go(urls: list[str], api: dict | None = None, **proxy):
         cfg = {"router": {"model": MODEL}, "api": {"port": 0, "proxy": True, "upstream_timeout": 5.0, **(api or {})},
-               "proxy": proxy,
+               **({"proxy": proxy} if proxy else {}),
                "pods": [{"name": f"p{i}", "endpoint": f"ipc://{tmp_path}/p{i}.pub", "http": u}
                         for i, u in enumerate(urls)]}
         svc = InProcessService(from_dict(cfg).validate())
@@ -433,3 +433,29 @@ def test_proxy_settings_are_checked_with_the_key_named() -> None:
                        ({"affinity_header": "a b"}, "proxy.affinity_header")):
         with pytest.raises(ConfigError, match=rf"^{key}\b"):
             from_dict({**base, "proxy": proxy})
+
+
+def test_a_large_answer_passes_through_in_bounded_memory(start, engines) -> None:
+    """32 MiB sent by the pod in 64 KiB chunks and read by the client in 64 KiB pieces: the proxy
+    holds a bounded part of it, never the whole (Python allocations traced in this process,
+    where the proxy, the engine and the client all run)."""
+    import tracemalloc
+    import urllib.request
+
+    size = 32 << 20
+    (eng,) = engines("big_chunked", size=size)
+    svc = start([eng.url])
+    req = urllib.request.Request(svc.url + "/v1/completions", method="POST",
+                                 data=json.dumps({"model": MODEL, "prompt": [1, 2]}).encode(),
+                                 headers={"content-type": "application/json"})
+    tracemalloc.start()
+    try:
+        got = 0
+        with urllib.request.urlopen(req, timeout=30) as r:
+            while chunk := r.read(65536):
+                got += len(chunk)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got == size
+    assert peak < size // 4, f"peak {peak >> 20} MiB of Python allocations for a {size >> 20} MiB answer"
