@@ -28,6 +28,7 @@ import time
 import aiohttp
 import msgspec
 from aiohttp import web
+from yarl import URL
 
 from consumers.keys import json_tokens
 
@@ -43,6 +44,9 @@ _PASS = frozenset({"content-type", "accept", "user-agent", "x-request-id", "trac
 #: answer headers not copied back (hop-by-hop, or recomputed by the server)
 _DROP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "server", "date"})
 #: outcomes that count against a pod's circuit breaker
+#: a non-streamed answer up to this size is read whole and sent with its head in one write;
+#: a larger one passes through in chunks as they come
+_WHOLE = 64 << 10
 _POD_FAULTS = frozenset({"refused", "connect_timeout", "first_byte_timeout", "total_timeout", "failed",
                          "status_5xx", "cut_midstream"})
 
@@ -83,6 +87,9 @@ class Proxy:
                 self.pods[p.name] = st
                 self.by_model.setdefault(st.model, []).append(st)
         self.targets = {n: p.url for n, p in self.pods.items()}
+        #: (pod, path) -> its URL, parsed once
+        self._urls = {(n, path): URL(p.url + path) for n, p in self.pods.items()
+                      for path in ("/v1/completions", "/v1/chat/completions")}
         self.outcomes: dict[tuple[str, str], int] = {}  #: (pod, outcome) -> attempts
         self.statuses: dict[tuple[str, int], int] = {}  #: (pod, upstream status) -> answers
         self.retries = 0
@@ -297,7 +304,7 @@ class Proxy:
         up = None
         try:
             try:
-                up = await self.session().post(pod.url + path, data=raw, headers=headers)
+                up = await self.session().post(self._urls[pod.name, path], data=raw, headers=headers)
             except aiohttp.ConnectionTimeoutError:
                 self._count(pod, "connect_timeout")
                 raise _Retry(f"no connection within proxy.connect_timeout ({self.cfg.connect_timeout:g} s)") from None
@@ -348,6 +355,17 @@ class Proxy:
             self._count(pod, "too_large")
             return _error(502, f"pod {pod.name!r}'s answer is {length} bytes, over proxy.max_answer_bytes ({cap})",
                           "answer_too_large", decision)
+        if length is not None and length <= _WHOLE and not streaming:
+            # a small answer (the common JSON one): read whole, written with its head in one send
+            try:
+                data = await up.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                self._count(pod, "cut_midstream")
+                log.warning("pod %r cut its answer: %s", pod.name, type(exc).__name__)
+                return _error(502, f"pod {pod.name!r} cut its answer short ({type(exc).__name__})", "upstream_cut",
+                              decision)
+            self._count(pod, "status_5xx" if up.status >= 500 else "ok")
+            return web.Response(body=data, status=up.status, headers=out_headers)
         resp = web.StreamResponse(status=up.status, headers=out_headers)
         if length is not None and not streaming:
             resp.content_length = length

@@ -81,7 +81,7 @@ class FakeEngine:
                 await asyncio.sleep(3600)
             if mode == "cut_json":
                 resp = web.StreamResponse(headers={"content-type": "application/json"})
-                resp.content_length = 1000
+                resp.content_length = self.size or 1000
                 await resp.prepare(request)
                 await resp.write(b'{"choices": [')
                 await asyncio.sleep(0.05)
@@ -270,14 +270,20 @@ def test_a_stream_cut_upstream_reaches_the_client_as_an_error_event(start, engin
     assert 'kvservice_proxy_requests_total{pod="p0",outcome="cut_midstream"} 1' in _metrics(svc)
 
 
-def test_a_json_answer_cut_upstream_is_cut_for_the_client(start, engines) -> None:
+def test_a_json_answer_cut_upstream_is_an_error_for_the_client(start, engines) -> None:
+    """Cut before anything was sent on (a small answer is read whole): a 502 naming the pod; cut
+    after the head went out (a large answer passes in chunks): the client's connection is cut."""
     import http.client
 
-    (eng,) = engines("cut_json")
-    svc = start([eng.url])
+    small, large = engines("cut_json", "cut_json", size=1 << 20)
+    small.size = 0
+    svc = start([small.url])
+    status, _h, data = _post(svc)
+    assert status == 502 and json.loads(data)["error"]["type"] == "upstream_cut"
+    svc2 = start([large.url])
     with pytest.raises(http.client.IncompleteRead):
-        _post(svc)
-    assert 'outcome="cut_midstream"} 1' in _metrics(svc)
+        _post(svc2)
+    assert 'outcome="cut_midstream"} 1' in _metrics(svc) and 'outcome="cut_midstream"} 1' in _metrics(svc2)
 
 
 def test_answers_over_the_cap_are_a_clear_error(start, engines) -> None:
