@@ -339,6 +339,7 @@ class Proxy:
         finally:
             pod.in_flight -= 1
             pod.prefill -= prefill
+            pod.probing = False  # a probe that ended neither way (the client left): the next one probes
             if up is not None:
                 if up.content.at_eof():
                     up.release()  # the connection stays warm for the next request
