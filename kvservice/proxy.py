@@ -24,6 +24,7 @@ import asyncio
 import logging
 import random
 import time
+from typing import Annotated
 
 import aiohttp
 import msgspec
@@ -64,6 +65,8 @@ class _Body(msgspec.Struct, forbid_unknown_fields=False):
 
 _BODY = msgspec.json.Decoder(_Body)
 _ANY = msgspec.json.Decoder()
+_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
+_IDS = msgspec.json.Decoder(list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]])
 
 
 class _Retry(Exception):
@@ -170,25 +173,10 @@ class Proxy:
             if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
                 raise ApiError(400, "messages must be a non-empty array of objects", "messages")
             return body, msgs
-        p = body.prompt
-        if len(p) and memoryview(p)[0] == 0x5B and json_tokens is not None:  # "["
-            ids = json_tokens(p)
-            if ids is not None and len(ids):
-                return body, ids
-        value = _raw_value(p)
-        if isinstance(value, list) and value and isinstance(value[0], (list, str)):
-            value = value[0]  # a batch of prompts: routed by its first one
-        if isinstance(value, list) and value and all(type(t) is int and 0 <= t < 1 << 32 for t in value):
-            return body, value  # no C reader built
-        if not isinstance(value, str) or not value:
-            raise ApiError(400, "prompt must be a non-empty string or array of token ids (ints in [0, 2^32))",
-                           "prompt")
-        return body, value
+        return body, _prompt(body.prompt, batch=True)
 
-    async def _tokens(self, body: _Body, what: object, model: str, chat: bool):
-        """Token ids as they are, or the prompt/messages through the tokenizer."""
-        if not chat and not isinstance(what, str):
-            return what
+    async def _tokenize(self, body: _Body, what: object, model: str, chat: bool):
+        """The prompt text or the chat's messages through the tokenizer."""
         tok = self.api.tokenizer
         field = "messages" if chat else "prompt"
         if tok is None:
@@ -215,7 +203,7 @@ class Proxy:
                 self.no_pod += 1
                 raise ApiError(503, f"model {model!r}: no pod with an http URL to forward to", "model", "no_pod")
             raise ApiError(404, f"model {model!r} is not served by any configured pod", "model", "unknown_model")
-        tokens = await self._tokens(body, what, model, chat)
+        tokens = what if not chat and not isinstance(what, str) else await self._tokenize(body, what, model, chat)
         self.budget.deposit()
         adm = self.admission
         if not adm.try_enter():
@@ -418,6 +406,37 @@ class Proxy:
         from .metrics import proxy_metric_lines
 
         return proxy_metric_lines(self)
+
+
+_PROMPT_ERROR = "prompt must be a non-empty string or array of token ids (ints in [0, 2^32)), or a batch of them"
+
+
+def _prompt(p: msgspec.Raw, batch: bool):
+    """A completion's prompt: token ids (read in C where built) or the text to tokenize; a batch
+    of prompts is routed by its first one, split in C without decoding the rest."""
+    if not len(p):
+        raise ApiError(400, _PROMPT_ERROR, "prompt")
+    lead = memoryview(p)[0]
+    if lead == 0x22:  # '"': a text
+        text = _ANY.decode(p)
+        if not text:
+            raise ApiError(400, _PROMPT_ERROR, "prompt")
+        return text
+    if lead != 0x5B:  # not '['
+        raise ApiError(400, _PROMPT_ERROR, "prompt")
+    if json_tokens is not None:
+        ids = json_tokens(p)
+        if ids is not None and len(ids):
+            return ids
+    items = _ITEMS.decode(p)
+    if not items:
+        raise ApiError(400, _PROMPT_ERROR, "prompt")
+    if batch and memoryview(items[0])[0] in (0x22, 0x5B):
+        return _prompt(items[0], batch=False)
+    try:
+        return _IDS.decode(p)  # no C reader, or ids it refused: msgspec names the bad one
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"{_PROMPT_ERROR}: {exc}", "prompt") from None
 
 
 def _raw_value(raw: msgspec.Raw) -> object:

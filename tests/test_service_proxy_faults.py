@@ -465,3 +465,15 @@ def test_a_large_answer_passes_through_in_bounded_memory(start, engines) -> None
         tracemalloc.stop()
     assert got == size
     assert peak < size // 4, f"peak {peak >> 20} MiB of Python allocations for a {size >> 20} MiB answer"
+
+
+def test_prompts_of_every_shape_are_read_or_refused_by_name(start, engines) -> None:
+    (eng,) = engines("ok")
+    svc = start([eng.url])
+    for prompt in ([5, 6, 7], [[5, 6, 7], [8]], [[5, 6, 7], "text"]):
+        assert _post(svc, {"prompt": prompt})[0] == 200, prompt
+    for prompt in ([], [-1, 2], [1, 2 ** 40], [1, "a"], 7, None, [[]], ""):
+        status, _h, data = _post(svc, {"prompt": prompt})
+        err = json.loads(data)["error"]
+        assert status == 400 and err["field"] == "prompt", (prompt, data)
+    assert eng.posts == 3
