@@ -173,7 +173,9 @@ def proxy_metric_lines(proxy) -> list[str]:
              lambda p: p.opened),
             ("kvservice_proxy_in_flight", "Requests the proxy has on the pod now", "gauge", lambda p: p.in_flight),
             ("kvservice_proxy_prefill_tokens", "Prompt tokens sent to the pod not yet answering", "gauge",
-             lambda p: p.prefill)):
+             lambda p: p.prefill),
+            ("kvservice_proxy_connections_opened_total", "Connections opened to the pod (idle ones are kept warm)",
+             "counter", lambda p: proxy.pools[p.name].opened)):
         _counter(out, name, help_, kind)
         out.extend(f'{name}{{pod="{_esc(p.name)}"}} {get(p)}' for p in pods)
     return out

@@ -26,14 +26,17 @@ import random
 import time
 from typing import Annotated
 
-import aiohttp
+import ssl
+from urllib.parse import urlsplit
+
 import msgspec
 from aiohttp import web
-from yarl import URL
+from multidict import CIMultiDict
 
 from consumers.keys import json_tokens
 
 from .proxy_config import ProxyConfig
+from .proxy_upstream import Answer, Pool, UpstreamError
 from .proxy_policy import Admission, Affinity, Overloaded, PodState, RetryBudget, backoff, order_pods
 from .schema import ApiError, error_body
 
@@ -90,9 +93,10 @@ class Proxy:
                 self.pods[p.name] = st
                 self.by_model.setdefault(st.model, []).append(st)
         self.targets = {n: p.url for n, p in self.pods.items()}
-        #: (pod, path) -> its URL, parsed once
-        self._urls = {(n, path): URL(p.url + path) for n, p in self.pods.items()
-                      for path in ("/v1/completions", "/v1/chat/completions")}
+        #: (pod, chat) -> the request line, with the path prefix of the pod's URL
+        self._lines = {(n, chat): f"POST {urlsplit(p.url).path.rstrip('/')}{path} HTTP/1.1\r\n".encode()
+                       for n, p in self.pods.items()
+                       for chat, path in ((False, "/v1/completions"), (True, "/v1/chat/completions"))}
         self.outcomes: dict[tuple[str, str], int] = {}  #: (pod, outcome) -> attempts
         self.statuses: dict[tuple[str, int], int] = {}  #: (pod, upstream status) -> answers
         self.retries = 0
@@ -103,7 +107,11 @@ class Proxy:
         self.budget = RetryBudget(cfg.retry_budget_ratio, cfg.retry_budget_burst)
         self.affinity = Affinity(cfg.affinity_max_sessions) if cfg.affinity_header else None
         self.rnd = random.Random()
-        self._session: aiohttp.ClientSession | None = None
+        self.pools: dict[str, Pool] = {}
+        for name, st in self.pods.items():
+            u = urlsplit(st.url)
+            tls = ssl.create_default_context() if u.scheme == "https" else None
+            self.pools[name] = Pool(u.hostname or "", u.port or (443 if tls else 80), cfg.keepalive_timeout, tls)
         self.api = None
         self.forward_authorization = True
 
@@ -116,18 +124,8 @@ class Proxy:
         app.on_cleanup.append(self._close)
 
     async def _close(self, _app) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            c = self.cfg
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=c.total_timeout or None, sock_connect=c.connect_timeout,
-                                              sock_read=self.api_cfg.upstream_timeout),
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=c.keepalive_timeout),
-                auto_decompress=False, skip_auto_headers=("User-Agent",))
-        return self._session
+        for pool in self.pools.values():
+            pool.close()
 
     def _count(self, pod: PodState, outcome: str) -> None:
         k = (pod.name, outcome)
@@ -255,10 +253,10 @@ class Proxy:
             return web.Response(
                 body=error_body(503, f"model {model!r}: every pod's circuit breaker is open", "model", "no_pod"),
                 status=503, content_type="application/json", headers={"Retry-After": str(max(1, round(wait)))})
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS}
+        passed = [f"{k}: {v}\r\n" for k, v in request.headers.items() if k.lower() in _PASS]
         if self.forward_authorization and "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
-        path = "/v1/chat/completions" if chat else "/v1/completions"
+            passed.append(f"Authorization: {request.headers['Authorization']}\r\n")
+        headers = "".join(passed).encode("utf-8", "surrogateescape")
         last = ""
         tried = 0
         for pod in order[:1 + cfg.max_retries]:
@@ -274,7 +272,8 @@ class Proxy:
             decision = {"x-kvevents-pod": pod.name, "x-kvevents-matched-tokens": str(matched.get(pod.name, 0)),
                         "x-kvevents-attempts": str(tried)}
             try:
-                resp = await self._attempt(request, pod, path, raw, headers, decision, len(tokens))
+                resp = await self._attempt(request, pod, self._lines[pod.name, chat] + headers, raw, decision,
+                                           len(tokens))
             except _Retry as exc:
                 last = f"{pod.name}: {exc}"
                 continue
@@ -284,43 +283,34 @@ class Proxy:
         return _error(502, f"model {model!r}: no pod could take the request ({tried} tried; last: {last})",
                       "upstream_error")
 
-    async def _attempt(self, request, pod: PodState, path: str, raw: bytes, headers: dict, decision: dict,
+    async def _attempt(self, request, pod: PodState, head: bytes, raw: bytes, decision: dict,
                        n_tokens: int) -> web.StreamResponse:
         pod.in_flight += 1
         pod.prefill += n_tokens
         prefill = n_tokens
-        up = None
+        answer = None
+        c = self.cfg
         try:
             try:
-                up = await self.session().post(self._urls[pod.name, path], data=raw, headers=headers)
-            except aiohttp.ConnectionTimeoutError:
-                self._count(pod, "connect_timeout")
-                raise _Retry(f"no connection within proxy.connect_timeout ({self.cfg.connect_timeout:g} s)") from None
-            except aiohttp.ClientConnectorError as exc:
-                self._count(pod, "refused")
-                raise _Retry(f"cannot connect: {exc.os_error or exc}") from None
-            except aiohttp.ServerTimeoutError:
-                self._count(pod, "first_byte_timeout")
-                return _error(504, f"pod {pod.name!r} sent no answer within api.upstream_timeout "
-                              f"({self.api_cfg.upstream_timeout:g} s); not retried (it may be running it)",
-                              "upstream_timeout", decision)
-            except asyncio.TimeoutError:
-                self._count(pod, "total_timeout")
-                return _error(504, f"pod {pod.name!r}: no answer within proxy.total_timeout "
-                              f"({self.cfg.total_timeout:g} s)", "upstream_timeout", decision)
-            except aiohttp.ClientError as exc:
-                self._count(pod, "failed")
-                return _error(502, f"pod {pod.name!r} failed after the request was sent ({type(exc).__name__}: "
-                              f"{exc}); not retried (it may be running it)", "upstream_error", decision)
+                answer = await self.pools[pod.name].request(
+                    head, raw, connect_timeout=c.connect_timeout, idle=self.api_cfg.upstream_timeout,
+                    total=c.total_timeout)
+            except UpstreamError as exc:
+                self._count(pod, exc.kind)
+                if exc.safe:
+                    raise _Retry(str(exc)) from None
+                timeout = exc.kind.endswith("timeout")
+                return _error(504 if timeout else 502, f"pod {pod.name!r}: {exc}; not retried (it may be running it)",
+                              "upstream_timeout" if timeout else "upstream_error", decision)
             pod.prefill -= prefill
             prefill = 0
-            status = up.status
+            status = answer.status
             k = (pod.name, status)
             self.statuses[k] = self.statuses.get(k, 0) + 1
-            if status in self.cfg.retry_statuses:
+            if status in c.retry_statuses:
                 self._count(pod, "status_5xx" if status >= 500 else "retry_status")
                 raise _Retry(f"answered {status}")
-            return await self._relay(request, up, pod, decision)
+            return await self._relay(request, answer, pod, decision)
         except asyncio.CancelledError:  # the client hung up while the pod worked: cancel it there
             self._count(pod, "client_abort")
             raise
@@ -328,17 +318,14 @@ class Proxy:
             pod.in_flight -= 1
             pod.prefill -= prefill
             pod.probing = False  # a probe that ended neither way (the client left): the next one probes
-            if up is not None:
-                if up.content.at_eof():
-                    up.release()  # the connection stays warm for the next request
-                else:
-                    up.close()  # the pod sees the connection go: it stops the request
+            if answer is not None:
+                answer.finish()  # read to its end: the connection stays warm; else closed (the pod stops)
 
-    async def _relay(self, request, up: aiohttp.ClientResponse, pod: PodState, decision: dict):
-        out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _DROP}
+    async def _relay(self, request, answer: Answer, pod: PodState, decision: dict):
+        out_headers = CIMultiDict((k, v) for k, v in answer.headers if k.lower() not in _DROP)
         out_headers.update(decision)
-        streaming = up.headers.get("content-type", "").startswith("text/event-stream")
-        length = up.content_length
+        streaming = answer.header("content-type").startswith("text/event-stream")
+        length = answer.length
         cap = self.cfg.max_answer_bytes
         if not streaming and length is not None and length > cap:
             self._count(pod, "too_large")
@@ -347,30 +334,28 @@ class Proxy:
         if length is not None and length <= _WHOLE and not streaming:
             # a small answer (the common JSON one): read whole, written with its head in one send
             try:
-                data = await up.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                data = await answer.read(cap)
+            except UpstreamError as exc:
                 self._count(pod, "cut_midstream")
-                log.warning("pod %r cut its answer: %s", pod.name, type(exc).__name__)
-                return _error(502, f"pod {pod.name!r} cut its answer short ({type(exc).__name__})", "upstream_cut",
-                              decision)
-            self._count(pod, "status_5xx" if up.status >= 500 else "ok")
-            return web.Response(body=data, status=up.status, headers=out_headers)
-        resp = web.StreamResponse(status=up.status, headers=out_headers)
+                log.warning("pod %r cut its answer: %s", pod.name, exc)
+                return _error(502, f"pod {pod.name!r} cut its answer short ({exc})", "upstream_cut", decision)
+            self._count(pod, "status_5xx" if answer.status >= 500 else "ok")
+            return web.Response(body=data, status=answer.status, headers=out_headers)
+        resp = web.StreamResponse(status=answer.status, headers=out_headers)
         if length is not None and not streaming:
             resp.content_length = length
         wt = self.cfg.client_write_timeout
-        content = up.content
         sent = 0
         try:
             await resp.prepare(request)
             while True:
                 try:
-                    chunk = await content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    chunk = await answer.chunk()
+                except UpstreamError as exc:
                     self._count(pod, "cut_midstream")
-                    log.warning("pod %r cut its answer after %d bytes: %s", pod.name, sent, type(exc).__name__)
+                    log.warning("pod %r cut its answer after %d bytes: %s", pod.name, sent, exc)
                     if streaming:  # the client learns it from the stream, not from a clean end
-                        msg = f"pod {pod.name!r} cut the stream: {type(exc).__name__}"
+                        msg = f"pod {pod.name!r} cut the stream: {exc}"
                         async with asyncio.timeout(wt):
                             await resp.write(b"data: " + error_body(502, msg, None, "upstream_cut") + b"\n\n")
                             await resp.write_eof()
@@ -390,11 +375,11 @@ class Proxy:
                     await resp.write(chunk)
             async with asyncio.timeout(wt):
                 await resp.write_eof()
-        except (ConnectionError, TimeoutError, _ClientGone):
+        except (ConnectionError, TimeoutError):
             self._count(pod, "client_abort")  # the client's doing: the pod's health is untouched
             _abort(request)
             return resp
-        self._count(pod, "status_5xx" if up.status >= 500 else "ok")
+        self._count(pod, "status_5xx" if answer.status >= 500 else "ok")
         return resp
 
     # ---- status ----------------------------------------------------------------------------
