@@ -12,8 +12,9 @@ it — the TCP connection was refused or never opened (or the pod answered one o
 ``proxy.retry_statuses``). Once any byte of the request may have reached a pod (a timeout
 waiting for the answer, a connection dropped after sending) the request is never re-sent: the
 client gets a 502/504 naming the pod. Upstream statuses pass through as they are and are
-counted as they are. A stream the pod cuts reaches the client as an SSE error event; a
-non-streamed answer cut short reaches it as a cut connection. A client that hangs up or stops
+counted as they are. A stream the pod cuts reaches the client as an SSE error event; a small
+non-streamed answer cut short as a 502, a large one already under way as a cut connection. The
+pods are reached through :mod:`kvservice.proxy_upstream` (warm keep-alive connections). A client that hangs up or stops
 reading is the client's: the upstream request is cancelled, the slot released, the pod's
 health untouched, counted ``client_abort``.
 """
@@ -23,10 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import time
 from typing import Annotated
-
-import ssl
 from urllib.parse import urlsplit
 
 import msgspec
@@ -36,8 +36,8 @@ from multidict import CIMultiDict
 from consumers.keys import json_tokens
 
 from .proxy_config import ProxyConfig
-from .proxy_upstream import Answer, Pool, UpstreamError
 from .proxy_policy import Admission, Affinity, Overloaded, PodState, RetryBudget, backoff, order_pods
+from .proxy_upstream import Answer, Pool, UpstreamError
 from .schema import ApiError, error_body
 
 __all__ = ["Proxy"]
@@ -46,7 +46,8 @@ log = logging.getLogger("kvservice")
 #: request headers passed on to the pod (the body goes byte for byte)
 _PASS = frozenset({"content-type", "accept", "user-agent", "x-request-id", "traceparent", "tracestate"})
 #: answer headers not copied back (hop-by-hop, or recomputed by the server)
-_DROP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "server", "date"})
+_DROP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "server", "date", "te", "trailer",
+                   "upgrade", "proxy-connection", "proxy-authenticate"})
 #: outcomes that count against a pod's circuit breaker
 #: a non-streamed answer up to this size is read whole and sent with its head in one write;
 #: a larger one passes through in chunks as they come
@@ -74,10 +75,6 @@ _IDS = msgspec.json.Decoder(list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]]
 
 class _Retry(Exception):
     """The attempt failed in a way that cannot have started the request: try the next pod."""
-
-
-class _ClientGone(Exception):
-    pass
 
 
 class Proxy:

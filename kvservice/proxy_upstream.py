@@ -240,14 +240,17 @@ class Pool:
         self.opened = 0  #: connections opened (for the metrics: a warm pool opens few)
 
     def put(self, conn: _Conn) -> None:
-        conn.idle_since = asyncio.get_running_loop().time()
-        self.idle.append(conn)
+        now = conn.idle_since = asyncio.get_running_loop().time()
+        idle = self.idle
+        while idle and (idle[0].eof or now - idle[0].idle_since >= self.keepalive):
+            idle.pop(0).close()  # the least recently used first: closed once expired or dead
+        idle.append(conn)
 
     async def _get(self, connect_timeout: float, loop) -> _Conn:
         now = loop.time()
         while self.idle:
             conn = self.idle.pop()
-            if not conn.eof and now - conn.idle_since < self.keepalive:
+            if not conn.eof and not conn.buf and now - conn.idle_since < self.keepalive:
                 return conn
             conn.close()
         try:
