@@ -477,3 +477,4 @@ def test_prompts_of_every_shape_are_read_or_refused_by_name(start, engines) -> N
         err = json.loads(data)["error"]
         assert status == 400 and err["field"] == "prompt", (prompt, data)
     assert eng.posts == 3
+    assert 'kvservice_proxy_connections_opened_total{pod="p0"} 1' in _metrics(svc)  # kept warm
