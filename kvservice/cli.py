@@ -138,11 +138,12 @@ async def _serve(cfg: ServiceConfig, stop: asyncio.Event, announce, fleet, token
         if cfg.api.proxy:
             from .proxy import Proxy
 
-            proxy = Proxy(fleet, cfg.api)
+            proxy = Proxy(fleet, cfg.api, cfg.proxy)
         app = build_app(fleet, token=token, tokenizer=tokenizer, proxy=proxy)
         api = app[API_KEY]
         api.telemetry = Telemetry(fleet)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        # a client hanging up cancels its proxied request (and so the pod's work on it)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5, handler_cancellation=proxy is not None)
         await runner.setup()
         try:
             if cfg.api.fast_path:

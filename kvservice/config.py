@@ -24,6 +24,9 @@ Schema (every section and key optional unless marked; unknown keys are errors)::
     gil_switch_ms = 1.0          # sys.setswitchinterval for the service's process (CPython's default: 5 ms)
     event_loop = "auto"          # "auto" (uvloop where installed), "uvloop" or "asyncio"
 
+    [proxy]                      # the OpenAI-compatible proxy: kvservice.proxy_config (docs/proxy.md)
+    max_retries = 2
+
     [subscriber]
     late_join = true             # replay what each publisher still buffers at start
     stale_after = 10.0
@@ -56,6 +59,8 @@ from typing import Any
 from consumers import RouterConfig
 from kvevents.endpoints import offset_endpoint, validate_endpoint
 from kvevents.errors import ConfigError, EndpointError
+
+from .proxy_config import ProxyConfig, proxy_section
 
 __all__ = ["ApiConfig", "PodConfig", "ServiceConfig", "SubscriberConfig", "load_config"]
 
@@ -125,6 +130,7 @@ class ServiceConfig:
     api: ApiConfig = field(default_factory=ApiConfig)
     subscriber: SubscriberConfig = field(default_factory=SubscriberConfig)
     pods: list[PodConfig] = field(default_factory=list)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
 
     def router_config(self) -> RouterConfig:
         """The RouterConfig: the [router] keys, plus publisher identity -> pod for every rank."""
@@ -276,7 +282,7 @@ def from_dict(data: dict) -> ServiceConfig:
     """A ServiceConfig from parsed TOML/YAML (not yet validated: :meth:`ServiceConfig.validate`)."""
     if not isinstance(data, dict):
         raise ConfigError("the config must be a table at the top level")
-    known = ("router", "api", "subscriber", "pods")
+    known = ("router", "api", "subscriber", "pods", "proxy")
     for k in data:
         if k not in known:
             raise ConfigError(f"{k}: unknown key (known: {', '.join(known)})")
@@ -296,6 +302,7 @@ def from_dict(data: dict) -> ServiceConfig:
         api=_section(ApiConfig, data.get("api", {}), "api"),
         subscriber=_section(SubscriberConfig, data.get("subscriber", {}), "subscriber"),
         pods=[_section(PodConfig, p, f"pods[{i}]") for i, p in enumerate(pods)],
+        proxy=proxy_section(data.get("proxy", {})),
     )
 
 

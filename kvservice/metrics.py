@@ -120,3 +120,62 @@ def render_service_metrics(api) -> bytes:
         out.extend(proxy.metric_lines())
     parts.append(("\n".join(out) + "\n").encode())
     return b"".join(parts)
+
+
+def _counter(out: list, name: str, help_: str, kind: str = "counter") -> None:
+    out.append(f"# HELP {name} {help_}")
+    out.append(f"# TYPE {name} {kind}")
+
+
+def proxy_metric_lines(proxy) -> list[str]:
+    """The proxy's series (kvservice.proxy.Proxy; docs/proxy.md lists them)."""
+    out: list[str] = []
+    _counter(out, "kvservice_proxy_requests_total", "Proxied attempts by pod and outcome (ok, status_5xx, refused, "
+             "connect_timeout, first_byte_timeout, total_timeout, failed, cut_midstream, too_large, client_abort, "
+             "retry_status)")
+    for (pod, outcome), n in sorted(proxy.outcomes.items()):
+        out.append(f'kvservice_proxy_requests_total{{pod="{_esc(pod)}",outcome="{outcome}"}} {n}')
+    _counter(out, "kvservice_proxy_upstream_responses_total", "Answers from pods, by pod and HTTP status as sent")
+    for (pod, status), n in sorted(proxy.statuses.items()):
+        out.append(f'kvservice_proxy_upstream_responses_total{{pod="{_esc(pod)}",status="{status}"}} {n}')
+    adm = proxy.admission
+    for name, help_, value in (
+            ("kvservice_proxy_retries_total", "Attempts on another pod after one that cannot have started the request",
+             proxy.retries),
+            ("kvservice_proxy_retry_budget_exhausted_total", "Retries not made: the retry budget was spent",
+             proxy.budget.exhausted),
+            ("kvservice_proxy_no_pod_total", "Requests with no pod to forward to (none, or every breaker open)",
+             proxy.no_pod),
+            ("kvservice_proxy_bad_requests_total", "Proxy requests refused as malformed (4xx, before any pod)",
+             proxy.bad_requests),
+            ("kvservice_proxy_queued_total", "Requests that waited for a slot (over proxy.max_concurrency)",
+             adm.queued),
+            ("kvservice_proxy_tokenize_seconds_total", "Time spent tokenizing proxied requests", proxy.tokenize_s)):
+        _counter(out, name, help_)
+        out.append(f"{name} {value}")
+    _counter(out, "kvservice_proxy_rejected_total", "Requests refused with proxy.overload_status, by reason "
+             "(queue_full, queue_timeout)")
+    for reason, n in sorted(adm.rejected.items()):
+        out.append(f'kvservice_proxy_rejected_total{{reason="{reason}"}} {n}')
+    _counter(out, "kvservice_proxy_active", "Requests forwarded now / waiting for a slot", "gauge")
+    out.append(f'kvservice_proxy_active{{state="forwarding"}} {adm.active}')
+    out.append(f'kvservice_proxy_active{{state="queued"}} {len(adm.waiters)}')
+    if proxy.affinity is not None:
+        _counter(out, "kvservice_proxy_affinity_total", "Requests of a known session: kept on its pod, or moved")
+        out.append(f'kvservice_proxy_affinity_total{{result="kept"}} {proxy.affinity.hits}')
+        out.append(f'kvservice_proxy_affinity_total{{result="moved"}} {proxy.affinity.moved}')
+    down = proxy.down_pods()
+    pods = sorted(proxy.pods.values(), key=lambda p: p.name)
+    for name, help_, kind, get in (
+            ("kvservice_pod_down", "1 while the pod's circuit breaker is open (the proxy skips it)", "gauge",
+             lambda p: int(p.name in down)),
+            ("kvservice_proxy_breaker_opened_total", "Times the pod's circuit breaker opened", "counter",
+             lambda p: p.opened),
+            ("kvservice_proxy_in_flight", "Requests the proxy has on the pod now", "gauge", lambda p: p.in_flight),
+            ("kvservice_proxy_prefill_tokens", "Prompt tokens sent to the pod not yet answering", "gauge",
+             lambda p: p.prefill),
+            ("kvservice_proxy_connections_opened_total", "Connections opened to the pod (idle ones are kept warm)",
+             "counter", lambda p: proxy.pools[p.name].opened)):
+        _counter(out, name, help_, kind)
+        out.extend(f'{name}{{pod="{_esc(p.name)}"}} {get(p)}' for p in pods)
+    return out

@@ -60,7 +60,7 @@ SCHEMAS = {
         "entries_by_tier": {"type": "object", "additionalProperties": {"type": "integer"},
                             "description": "this pod's indexed (block, rank) entries per tier (ranks summed); "
                                            "recomputed at most once a second while the index changes"},
-        "proxy_down": {"type": "boolean", "description": "proxy mode: skipped after a failure, for down_for s"}}},
+        "proxy_down": {"type": "boolean", "description": "proxy mode: the pod's circuit breaker is open (docs/proxy.md)"}}},
     "Pods": {"type": "object", "required": ["pods", "unattributed", "ready"], "properties": {
         "pods": {"type": "array", "items": {"$ref": "#/components/schemas/PodStatus"}},
         "unattributed": {"type": "array", "items": {"type": "object", "properties": {
@@ -93,11 +93,12 @@ def openapi_document(proxy: bool = False) -> dict:
     if proxy:
         for path in ("/v1/completions", "/v1/chat/completions"):
             paths[path] = {"post": {
-                "summary": "OpenAI-compatible: forwarded unchanged to the pod with the best KV score; the answer "
-                           "carries x-kvevents-pod and x-kvevents-matched-tokens",
+                "summary": "OpenAI-compatible: forwarded unchanged to the pod where it costs least (KV score and "
+                           "live load); the answer carries x-kvevents-pod, x-kvevents-matched-tokens and "
+                           "x-kvevents-attempts",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}},
                 "responses": {"200": {"description": "the pod's answer (JSON, or text/event-stream when stream)"},
-                              "502": _error(), "503": _error(), **_ERRORS}}}
+                              "429": _error(), "502": _error(), "503": _error(), "504": _error(), **_ERRORS}}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "kvevents router", "version": "1",

@@ -1,56 +1,114 @@
 """The OpenAI-compatible proxy: ``/v1/completions`` and ``/v1/chat/completions``.
 
-Each request is tokenized the way the engine does (a local tokenizer, else a pod's
-``/tokenize``), scored by the router, and forwarded unchanged (same body bytes) to the best
-pod's OpenAI server; the answer — JSON, or a ``text/event-stream`` passed through chunk by
-chunk — comes back with ``x-kvevents-pod`` and ``x-kvevents-matched-tokens``.
+Each request is tokenized the way the engine does (token-id prompts read in C; else a local
+tokenizer or a pod's ``/tokenize``), scored by the router, and forwarded unchanged (the same body
+bytes) to the pod where its cost — uncached prompt tokens plus the live load this proxy put on
+the pod — is lowest (:mod:`kvservice.proxy_policy`). The answer, JSON or a ``text/event-stream``,
+passes through in bounded chunks, with ``x-kvevents-pod``, ``x-kvevents-matched-tokens`` and
+``x-kvevents-attempts``. Settings: :class:`kvservice.proxy_config.ProxyConfig` (``[proxy]``).
 
-Order of candidates: the router's score (best first; ties: fewer requests in flight, then
-name), then the model's pods the router has no score for, pods marked down last. A pod that
-refuses the connection, times out, or answers 502/503/504 before any byte of the answer was
-sent is marked down for ``down_for`` seconds and the next candidate is tried (counted:
-``kvservice_proxy_retries_total``, ``kvservice_proxy_requests_total{outcome}``). Once a
-stream has started it cannot move: a pod failing mid-stream ends that answer (counted as
-``failed_midstream``) and is marked down.
+The retry-safety rule: a request is sent to another pod only when the first cannot have started
+it — the TCP connection was refused or never opened (or the pod answered one of
+``proxy.retry_statuses``). Once any byte of the request may have reached a pod (a timeout
+waiting for the answer, a connection dropped after sending) the request is never re-sent: the
+client gets a 502/504 naming the pod. Upstream statuses pass through as they are and are
+counted as they are. A stream the pod cuts reaches the client as an SSE error event; a small
+non-streamed answer cut short as a 502, a large one already under way as a cut connection. The
+pods are reached through :mod:`kvservice.proxy_upstream` (warm keep-alive connections). A client that hangs up or stops
+reading is the client's: the upstream request is cancelled, the slot released, the pod's
+health untouched, counted ``client_abort``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import ssl
 import time
+from typing import Annotated
+from urllib.parse import urlsplit
 
-import aiohttp
 import msgspec
 from aiohttp import web
+from multidict import CIMultiDict
 
-from .schema import ApiError
+from consumers.keys import json_tokens
+
+from .proxy_config import ProxyConfig
+from .proxy_policy import Admission, Affinity, Overloaded, PodState, RetryBudget, backoff, order_pods
+from .proxy_upstream import Answer, Pool, UpstreamError
+from .schema import ApiError, error_body
 
 __all__ = ["Proxy"]
 
 log = logging.getLogger("kvservice")
-_RETRY_STATUS = frozenset({502, 503, 504})
 #: request headers passed on to the pod (the body goes byte for byte)
-_PASS = ("content-type", "accept", "user-agent", "x-request-id", "traceparent", "tracestate")
+_PASS = frozenset({"content-type", "accept", "user-agent", "x-request-id", "traceparent", "tracestate"})
 #: answer headers not copied back (hop-by-hop, or recomputed by the server)
-_DROP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding",
-                   "server", "date"})
+_DROP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "server", "date", "te", "trailer",
+                   "upgrade", "proxy-connection", "proxy-authenticate"})
+#: outcomes that count against a pod's circuit breaker
+#: a non-streamed answer up to this size is read whole and sent with its head in one write;
+#: a larger one passes through in chunks as they come
+_WHOLE = 64 << 10
+_POD_FAULTS = frozenset({"refused", "connect_timeout", "first_byte_timeout", "total_timeout", "failed",
+                         "status_5xx", "cut_midstream"})
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=False):
+    """The fields the proxy reads; everything else is skipped by msgspec's C decoder and passed
+    on in the original bytes. ``prompt``/``messages`` stay raw: token ids are read in C."""
+
+    model: object = None
+    prompt: msgspec.Raw = msgspec.Raw(b"")
+    messages: msgspec.Raw = msgspec.Raw(b"")
+    lora_name: object = None
+    add_generation_prompt: object = True
+
+
+_BODY = msgspec.json.Decoder(_Body)
+_ANY = msgspec.json.Decoder()
+_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
+_IDS = msgspec.json.Decoder(list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]])
+
+
+class _Retry(Exception):
+    """The attempt failed in a way that cannot have started the request: try the next pod."""
 
 
 class Proxy:
-    def __init__(self, fleet, api_cfg) -> None:
+    def __init__(self, fleet, api_cfg, cfg: ProxyConfig | None = None) -> None:
         self.fleet = fleet
-        self.cfg = api_cfg
-        self.targets: dict[str, str] = {p.name: p.http.rstrip("/") for p in fleet.cfg.pods if p.http}
-        self.pod_model = {p.name: fleet.cfg.pod_model(p) for p in fleet.cfg.pods}
-        self.down_until: dict[str, float] = {}
-        self.in_flight: dict[str, int] = {}
-        self.outcomes: dict[tuple[str, str], int] = {}  # (pod, ok/failed/timeout/status_5xx/failed_midstream)
+        self.api_cfg = api_cfg
+        self.cfg = cfg = cfg if cfg is not None else ProxyConfig()
+        self.pods: dict[str, PodState] = {}
+        self.by_model: dict[str, list[PodState]] = {}
+        for p in fleet.cfg.pods:
+            if p.http:
+                st = PodState(p.name, p.http.rstrip("/"), fleet.cfg.pod_model(p))
+                self.pods[p.name] = st
+                self.by_model.setdefault(st.model, []).append(st)
+        self.targets = {n: p.url for n, p in self.pods.items()}
+        #: (pod, chat) -> the request line, with the path prefix of the pod's URL
+        self._lines = {(n, chat): f"POST {urlsplit(p.url).path.rstrip('/')}{path} HTTP/1.1\r\n".encode()
+                       for n, p in self.pods.items()
+                       for chat, path in ((False, "/v1/completions"), (True, "/v1/chat/completions"))}
+        self.outcomes: dict[tuple[str, str], int] = {}  #: (pod, outcome) -> attempts
+        self.statuses: dict[tuple[str, int], int] = {}  #: (pod, upstream status) -> answers
         self.retries = 0
         self.no_pod = 0
+        self.bad_requests = 0
         self.tokenize_s = 0.0  #: time spent tokenizing (sum), apart from forwarding
-        self.tokenized = 0
-        self._session: aiohttp.ClientSession | None = None
+        self.admission = Admission(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout)
+        self.budget = RetryBudget(cfg.retry_budget_ratio, cfg.retry_budget_burst)
+        self.affinity = Affinity(cfg.affinity_max_sessions) if cfg.affinity_header else None
+        self.rnd = random.Random()
+        self.pools: dict[str, Pool] = {}
+        for name, st in self.pods.items():
+            u = urlsplit(st.url)
+            tls = ssl.create_default_context() if u.scheme == "https" else None
+            self.pools[name] = Pool(u.hostname or "", u.port or (443 if tls else 80), cfg.keepalive_timeout, tls)
         self.api = None
         self.forward_authorization = True
 
@@ -63,26 +121,18 @@ class Proxy:
         app.on_cleanup.append(self._close)
 
     async def _close(self, _app) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for pool in self.pools.values():
+            pool.close()
 
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            t = self.cfg.upstream_timeout
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(t, 5.0), sock_read=t),
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False)
-        return self._session
-
-    def _count(self, pod: str, outcome: str) -> None:
-        k = (pod, outcome)
+    def _count(self, pod: PodState, outcome: str) -> None:
+        k = (pod.name, outcome)
         self.outcomes[k] = self.outcomes.get(k, 0) + 1
-
-    def _mark_down(self, pod: str, why: str) -> None:
-        first = self.down_until.get(pod, 0.0) < time.monotonic()
-        self.down_until[pod] = time.monotonic() + self.cfg.down_for
-        if first:
-            log.warning("pod %r marked down for %.1fs: %s", pod, self.cfg.down_for, why)
+        if outcome in _POD_FAULTS:
+            if pod.failure(self.cfg.breaker_failures, self.api_cfg.down_for, time.monotonic()):
+                log.warning("pod %r: circuit breaker open for %.1fs after %d failure(s) in a row (last: %s)",
+                            pod.name, self.api_cfg.down_for, pod.failures, outcome)
+        elif outcome == "ok":
+            pod.success()
 
     # ---- routes ----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -91,162 +141,298 @@ class Proxy:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=True)
 
-    async def _tokens(self, body: dict, model: str, chat: bool) -> list[int]:
-        tok = self.api.tokenizer
+    def _parse(self, raw: bytes, chat: bool) -> tuple[_Body, object]:
+        """The body's fields, and the token ids (an array, from C) or the text/messages to tokenize."""
+        if not raw:
+            raise ApiError(400, "the request body is empty: send a JSON object")
+        try:
+            if not raw.isascii():
+                raw.decode("utf-8")  # the pod gets these exact bytes: never invalid UTF-8
+            body = _BODY.decode(raw)
+        except msgspec.ValidationError:
+            try:
+                _ANY.decode(raw)
+            except (msgspec.DecodeError, RecursionError) as exc:
+                raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+            raise ApiError(400, "the request body must be a JSON object") from None
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ApiError(400, f"the request body is not valid UTF-8 (byte {exc.start})") from None
+        except RecursionError:
+            raise ApiError(400, "the request body nests too deeply") from None
+        if not isinstance(body.model, str):
+            raise ApiError(400, "model must be a string", "model")
         if chat:
-            msgs = body.get("messages")
+            msgs = _raw_value(body.messages)
             if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
                 raise ApiError(400, "messages must be a non-empty array of objects", "messages")
-            if tok is None:
-                raise ApiError(400, "messages: no tokenizer (start with --tokenizer, or give pods an http URL)",
-                               "messages")
-            return await tok.encode(model, messages=msgs, add_generation_prompt=bool(body.get("add_generation_prompt",
-                                                                                              True)))
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) >= 1 and not all(isinstance(t, int) for t in p):
-            p = p[0]  # a batch of prompts: routed by its first one
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            return p
-        if not isinstance(p, str) or not p:
-            raise ApiError(400, "prompt must be a non-empty string or array of token ids", "prompt")
+            return body, msgs
+        return body, _prompt(body.prompt, batch=True)
+
+    async def _tokenize(self, body: _Body, what: object, model: str, chat: bool):
+        """The prompt text or the chat's messages through the tokenizer."""
+        tok = self.api.tokenizer
+        field = "messages" if chat else "prompt"
         if tok is None:
-            raise ApiError(400, "prompt: no tokenizer (start with --tokenizer, or give pods an http URL)", "prompt")
-        return await tok.encode(model, prompt=p)
-
-    def _candidates(self, model: str, tokens: list[int], lora: str | None) -> tuple[list[str], dict]:
-        fleet = self.fleet
-        load = {p: float(n) for p, n in self.in_flight.items()}
-        with fleet.lock:
-            scores = fleet.router.score(tokens, lora, model=model, load=load)
-        pods = [p for p, m in self.pod_model.items() if m == model and p in self.targets]
-        now = time.monotonic()
-
-        def key(p: str):
-            s = scores.get(p)
-            return (self.down_until.get(p, 0.0) > now, s is None, -(s.total if s else 0.0),
-                    self.in_flight.get(p, 0), p)
-
-        return sorted(pods, key=key), scores
+            raise ApiError(400, f"{field}: no tokenizer (start with --tokenizer, or give pods an http URL)", field)
+        t0 = time.perf_counter()
+        try:
+            if chat:
+                return await tok.encode(model, messages=what, add_generation_prompt=bool(body.add_generation_prompt))
+            return await tok.encode(model, prompt=what)
+        finally:
+            self.tokenize_s += time.perf_counter() - t0
 
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
         try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise ApiError(400, "model must be a string", "model")
-        if model not in self.fleet.models:
+            body, what = self._parse(raw, chat)
+        except ApiError:
+            self.bad_requests += 1
+            raise
+        model = body.model
+        pods = self.by_model.get(model)
+        if pods is None:
+            if model in self.fleet.models:
+                self.no_pod += 1
+                raise ApiError(503, f"model {model!r}: no pod with an http URL to forward to", "model", "no_pod")
             raise ApiError(404, f"model {model!r} is not served by any configured pod", "model", "unknown_model")
-        t0 = time.perf_counter()
-        tokens = await self._tokens(body, model, chat)
-        self.tokenize_s += time.perf_counter() - t0
-        self.tokenized += 1
-        lora = body.get("lora_name") if isinstance(body.get("lora_name"), str) else None
-        order, scores = self._candidates(model, tokens, lora)
+        tokens = what if not chat and not isinstance(what, str) else await self._tokenize(body, what, model, chat)
+        self.budget.deposit()
+        adm = self.admission
+        if not adm.try_enter():
+            try:
+                await adm.enter()
+            except Overloaded as exc:
+                return self._refuse(exc.reason)
+        try:
+            return await self._route(request, raw, body, model, pods, tokens, chat)
+        finally:
+            adm.leave()
+
+    def _refuse(self, reason: str) -> web.Response:
+        c = self.cfg
+        msg = (f"the proxy is at its limit of {c.max_concurrency} requests in flight and {c.max_queue} waiting"
+               if reason == "queue_full" else
+               f"no slot within proxy.queue_timeout ({c.queue_timeout:g} s); {c.max_concurrency} requests in flight")
+        return web.Response(body=error_body(c.overload_status, msg, None, "overloaded"), status=c.overload_status,
+                            content_type="application/json", headers={"Retry-After": str(c.retry_after)})
+
+    async def _route(self, request, raw: bytes, body: _Body, model: str, pods: list[PodState], tokens, chat: bool):
+        cfg = self.cfg
+        now = time.monotonic()
+        matched: dict[str, int] = {}
+        lora = body.lora_name if isinstance(body.lora_name, str) else None
+        fleet = self.fleet
+        with fleet.lock:
+            scores = fleet.router.score(tokens, lora, model=model)
+        for name, s in scores.items():
+            if s.matched_tokens:
+                matched[name] = s.matched_tokens
+        order = order_pods(pods, len(tokens), matched, cfg, self.rnd, now)
+        session = None
+        if self.affinity is not None and order:
+            session = request.headers.get(cfg.affinity_header)
+            pinned = self.affinity.get(session) if session else None
+            if pinned is not None:
+                least = min(p.in_flight for p in order)
+                for i, p in enumerate(order):
+                    if p.name == pinned and p.in_flight <= least + cfg.affinity_max_imbalance:
+                        self.affinity.hits += 1
+                        order.insert(0, order.pop(i))
+                        break
+                else:
+                    self.affinity.moved += 1
         if not order:
             self.no_pod += 1
-            raise ApiError(503, f"model {model!r}: no pod with an http URL to forward to", "model", "no_pod")
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS}
+            wait = min((p.open_until for p in pods), default=now) - now
+            return web.Response(
+                body=error_body(503, f"model {model!r}: every pod's circuit breaker is open", "model", "no_pod"),
+                status=503, content_type="application/json", headers={"Retry-After": str(max(1, round(wait)))})
+        passed = [f"{k}: {v}\r\n" for k, v in request.headers.items() if k.lower() in _PASS]
         if self.forward_authorization and "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
-        path = "/v1/chat/completions" if chat else "/v1/completions"
+            passed.append(f"Authorization: {request.headers['Authorization']}\r\n")
+        headers = "".join(passed).encode("utf-8", "surrogateescape")
         last = ""
-        for i, pod in enumerate(order):
-            if i:
+        tried = 0
+        for pod in order[:1 + cfg.max_retries]:
+            if tried:
+                if not self.budget.take():
+                    last += "; no retry: the retry budget is spent"
+                    break
                 self.retries += 1
-            s = scores.get(pod)
-            decision = {"x-kvevents-pod": pod, "x-kvevents-matched-tokens": str(s.matched_tokens if s else 0),
-                        "x-kvevents-attempts": str(i + 1)}
-            self.in_flight[pod] = self.in_flight.get(pod, 0) + 1
+                await asyncio.sleep(backoff(tried, cfg.retry_backoff, cfg.retry_backoff_max, self.rnd))
+            tried += 1
+            if pod.open_until:
+                pod.probing = True  # half-open: this request is the probe
+            decision = {"x-kvevents-pod": pod.name, "x-kvevents-matched-tokens": str(matched.get(pod.name, 0)),
+                        "x-kvevents-attempts": str(tried)}
             try:
-                resp = await self._forward(request, pod, path, raw, headers, decision)
-            except _Failed as exc:
-                last = f"{pod}: {exc}"
-                self._count(pod, exc.outcome)
-                self._mark_down(pod, str(exc))
+                resp = await self._attempt(request, pod, self._lines[pod.name, chat] + headers, raw, decision,
+                                           len(tokens))
+            except _Retry as exc:
+                last = f"{pod.name}: {exc}"
                 continue
-            finally:
-                self.in_flight[pod] -= 1
+            if session:
+                self.affinity.set(session, pod.name)
             return resp
-        raise ApiError(502, f"every pod of model {model!r} failed ({len(order)} tried; last: {last})", None,
-                       "upstream_error")
+        return _error(502, f"model {model!r}: no pod could take the request ({tried} tried; last: {last})",
+                      "upstream_error")
 
-    async def _forward(self, request: web.Request, pod: str, path: str, raw: bytes, headers: dict,
-                       decision: dict) -> web.StreamResponse:
-        url = self.targets[pod] + path
+    async def _attempt(self, request, pod: PodState, head: bytes, raw: bytes, decision: dict,
+                       n_tokens: int) -> web.StreamResponse:
+        pod.in_flight += 1
+        pod.prefill += n_tokens
+        prefill = n_tokens
+        answer = None
+        c = self.cfg
         try:
-            up = await self.session().post(url, data=raw, headers=headers)
-        except asyncio.TimeoutError:
-            raise _Failed("timeout", "timed out connecting") from None
-        except aiohttp.ClientError as exc:
-            raise _Failed("failed", f"{type(exc).__name__}: {exc}") from None
-        try:
-            if up.status in _RETRY_STATUS:
-                raise _Failed(f"status_{up.status}", f"answered {up.status}")
-            out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _DROP}
-            out_headers.update(decision)
-            ctype = up.headers.get("content-type", "")
-            if not ctype.startswith("text/event-stream"):
-                try:
-                    data = await up.read()
-                except asyncio.TimeoutError:
-                    raise _Failed("timeout", "timed out reading the answer") from None
-                except aiohttp.ClientError as exc:
-                    raise _Failed("failed", f"{type(exc).__name__}: {exc}") from None
-                self._count(pod, "ok")
-                return web.Response(body=data, status=up.status, headers=out_headers)
-            resp = web.StreamResponse(status=up.status, headers=out_headers)
             try:
-                first = await up.content.readany()
-            except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-                raise _Failed("timeout" if isinstance(exc, asyncio.TimeoutError) else "failed",
-                              f"no first chunk: {type(exc).__name__}") from None
-            await resp.prepare(request)
-            try:
-                if first:
-                    await resp.write(first)
-                async for chunk in up.content.iter_any():
-                    await resp.write(chunk)
-            except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-                self._count(pod, "failed_midstream")
-                self._mark_down(pod, f"failed mid-stream: {type(exc).__name__}")
-                return resp
-            await resp.write_eof()
-            self._count(pod, "ok")
-            return resp
+                answer = await self.pools[pod.name].request(
+                    head, raw, connect_timeout=c.connect_timeout, idle=self.api_cfg.upstream_timeout,
+                    total=c.total_timeout)
+            except UpstreamError as exc:
+                self._count(pod, exc.kind)
+                if exc.safe:
+                    raise _Retry(str(exc)) from None
+                timeout = exc.kind.endswith("timeout")
+                return _error(504 if timeout else 502, f"pod {pod.name!r}: {exc}; not retried (it may be running it)",
+                              "upstream_timeout" if timeout else "upstream_error", decision)
+            pod.prefill -= prefill
+            prefill = 0
+            status = answer.status
+            k = (pod.name, status)
+            self.statuses[k] = self.statuses.get(k, 0) + 1
+            if status in c.retry_statuses:
+                self._count(pod, "status_5xx" if status >= 500 else "retry_status")
+                raise _Retry(f"answered {status}")
+            return await self._relay(request, answer, pod, decision)
+        except asyncio.CancelledError:  # the client hung up while the pod worked: cancel it there
+            self._count(pod, "client_abort")
+            raise
         finally:
-            up.release()
+            pod.in_flight -= 1
+            pod.prefill -= prefill
+            pod.probing = False  # a probe that ended neither way (the client left): the next one probes
+            if answer is not None:
+                answer.finish()  # read to its end: the connection stays warm; else closed (the pod stops)
 
+    async def _relay(self, request, answer: Answer, pod: PodState, decision: dict):
+        out_headers = CIMultiDict((k, v) for k, v in answer.headers if k.lower() not in _DROP)
+        out_headers.update(decision)
+        streaming = answer.header("content-type").startswith("text/event-stream")
+        length = answer.length
+        cap = self.cfg.max_answer_bytes
+        if not streaming and length is not None and length > cap:
+            self._count(pod, "too_large")
+            return _error(502, f"pod {pod.name!r}'s answer is {length} bytes, over proxy.max_answer_bytes ({cap})",
+                          "answer_too_large", decision)
+        if length is not None and length <= _WHOLE and not streaming:
+            # a small answer (the common JSON one): read whole, written with its head in one send
+            try:
+                data = await answer.read(cap)
+            except UpstreamError as exc:
+                self._count(pod, "cut_midstream")
+                log.warning("pod %r cut its answer: %s", pod.name, exc)
+                return _error(502, f"pod {pod.name!r} cut its answer short ({exc})", "upstream_cut", decision)
+            self._count(pod, "status_5xx" if answer.status >= 500 else "ok")
+            return web.Response(body=data, status=answer.status, headers=out_headers)
+        resp = web.StreamResponse(status=answer.status, headers=out_headers)
+        if length is not None and not streaming:
+            resp.content_length = length
+        wt = self.cfg.client_write_timeout
+        sent = 0
+        try:
+            await resp.prepare(request)
+            while True:
+                try:
+                    chunk = await answer.chunk()
+                except UpstreamError as exc:
+                    self._count(pod, "cut_midstream")
+                    log.warning("pod %r cut its answer after %d bytes: %s", pod.name, sent, exc)
+                    if streaming:  # the client learns it from the stream, not from a clean end
+                        msg = f"pod {pod.name!r} cut the stream: {exc}"
+                        async with asyncio.timeout(wt):
+                            await resp.write(b"data: " + error_body(502, msg, None, "upstream_cut") + b"\n\n")
+                            await resp.write_eof()
+                    else:
+                        _abort(request)
+                    return resp
+                if not chunk:
+                    break
+                sent += len(chunk)
+                if sent > cap and not streaming:
+                    self._count(pod, "too_large")
+                    log.warning("pod %r: answer over proxy.max_answer_bytes (%d); the client's connection is cut",
+                                pod.name, cap)
+                    _abort(request)
+                    return resp
+                async with asyncio.timeout(wt):
+                    await resp.write(chunk)
+            async with asyncio.timeout(wt):
+                await resp.write_eof()
+        except (ConnectionError, TimeoutError):
+            self._count(pod, "client_abort")  # the client's doing: the pod's health is untouched
+            _abort(request)
+            return resp
+        self._count(pod, "status_5xx" if answer.status >= 500 else "ok")
+        return resp
+
+    # ---- status ----------------------------------------------------------------------------
     def down_pods(self) -> set[str]:
         now = time.monotonic()
-        return {p for p, t in self.down_until.items() if t > now}
+        return {p.name for p in self.pods.values() if p.is_open(now)}
 
     def metric_lines(self) -> list[str]:
-        out = ["# HELP kvservice_proxy_requests_total Proxied attempts by pod and outcome "
-               "(ok, failed, timeout, status_5xx, failed_midstream)",
-               "# TYPE kvservice_proxy_requests_total counter"]
-        for (pod, outcome), n in sorted(self.outcomes.items()):
-            out.append(f'kvservice_proxy_requests_total{{pod="{pod}",outcome="{outcome}"}} {n}')
-        out += ["# HELP kvservice_proxy_retries_total Attempts on a next-best pod after a failure",
-                "# TYPE kvservice_proxy_retries_total counter", f"kvservice_proxy_retries_total {self.retries}",
-                "# HELP kvservice_proxy_no_pod_total Requests with no pod to forward to",
-                "# TYPE kvservice_proxy_no_pod_total counter", f"kvservice_proxy_no_pod_total {self.no_pod}",
-                "# HELP kvservice_proxy_tokenize_seconds_total Time spent tokenizing proxied requests",
-                "# TYPE kvservice_proxy_tokenize_seconds_total counter",
-                f"kvservice_proxy_tokenize_seconds_total {self.tokenize_s}",
-                "# HELP kvservice_pod_down 1 while the proxy skips a pod that failed",
-                "# TYPE kvservice_pod_down gauge"]
-        now = time.monotonic()
-        for pod in sorted(self.targets):
-            out.append(f'kvservice_pod_down{{pod="{pod}"}} {int(self.down_until.get(pod, 0.0) > now)}')
-        return out
+        from .metrics import proxy_metric_lines
+
+        return proxy_metric_lines(self)
 
 
-class _Failed(Exception):
-    def __init__(self, outcome: str, message: str) -> None:
-        super().__init__(message)
-        self.outcome = outcome
+_PROMPT_ERROR = "prompt must be a non-empty string or array of token ids (ints in [0, 2^32)), or a batch of them"
+
+
+def _prompt(p: msgspec.Raw, batch: bool):
+    """A completion's prompt: token ids (read in C where built) or the text to tokenize; a batch
+    of prompts is routed by its first one, split in C without decoding the rest."""
+    if not len(p):
+        raise ApiError(400, _PROMPT_ERROR, "prompt")
+    lead = memoryview(p)[0]
+    if lead == 0x22:  # '"': a text
+        text = _ANY.decode(p)
+        if not text:
+            raise ApiError(400, _PROMPT_ERROR, "prompt")
+        return text
+    if lead != 0x5B:  # not '['
+        raise ApiError(400, _PROMPT_ERROR, "prompt")
+    if json_tokens is not None:
+        ids = json_tokens(p)
+        if ids is not None and len(ids):
+            return ids
+    items = _ITEMS.decode(p)
+    if not items:
+        raise ApiError(400, _PROMPT_ERROR, "prompt")
+    if batch and memoryview(items[0])[0] in (0x22, 0x5B):
+        return _prompt(items[0], batch=False)
+    try:
+        return _IDS.decode(p)  # no C reader, or ids it refused: msgspec names the bad one
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"{_PROMPT_ERROR}: {exc}", "prompt") from None
+
+
+def _raw_value(raw: msgspec.Raw) -> object:
+    if not len(raw):
+        return None
+    return _ANY.decode(raw)  # already checked by the body's decode: cannot fail
+
+
+def _abort(request: web.Request) -> None:
+    t = request.transport
+    if t is not None:
+        t.abort()  # no clean end: the client sees the answer cut
+
+
+def _error(status: int, message: str, kind: str, headers: dict | None = None) -> web.Response:
+    return web.Response(body=error_body(status, message, None, kind), status=status, content_type="application/json",
+                        headers=headers)

@@ -18,7 +18,9 @@ MODEL = "demo-model"
 @pytest.fixture
 def proxied():
     fleet = SimEngineFleet(engines=3, model=MODEL).start()
-    svc = InProcessService(from_dict(fleet.config(proxy=True)).validate())
+    cfg = fleet.config(proxy=True)
+    cfg["proxy"] = {"breaker_failures": 1}
+    svc = InProcessService(from_dict(cfg).validate())
     try:
         wait_for(lambda: svc.http.get("/readyz")[0] == 200, what="ready")
         yield fleet, svc
@@ -32,6 +34,10 @@ PROMPT = list(range(5000, 5000 + 160))  # 10 blocks
 
 def _complete(http: Http, body: dict, path: str = "/v1/completions"):
     return http.call("POST", path, {"model": MODEL, "max_tokens": 3, **body})
+
+
+def _lower(headers: dict) -> dict:
+    return {k.lower(): v for k, v in headers.items()}  # header names as the pod wrote them
 
 
 def _sse(data: bytes) -> list:
@@ -56,7 +62,7 @@ def test_completions_go_where_the_prefix_is_and_say_so(proxied) -> None:
     assert int(headers["x-kvevents-matched-tokens"]) >= 144
     # streaming: server-sent events passed through, chunk by chunk, ending in [DONE]
     status, headers, data = _complete(http, {"prompt": PROMPT, "stream": True})
-    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    assert status == 200 and _lower(headers)["content-type"].startswith("text/event-stream")
     assert headers["x-kvevents-pod"] == first
     chunks = _sse(data)
     assert len(chunks) == 3 and chunks[-1]["choices"][0]["finish_reason"] == "length"
@@ -92,11 +98,11 @@ def test_a_killed_pod_is_skipped_counted_and_named(proxied) -> None:
     status, headers, data = _complete(http, {"prompt": PROMPT})
     assert status == 200, data
     assert headers["x-kvevents-pod"] != victim and headers["x-kvevents-attempts"] == "2"
-    # marked down: the next request does not try it first
+    # its breaker is open: the next request does not try it
     status, headers, _ = _complete(http, {"prompt": PROMPT, "stream": True})
     assert status == 200 and headers["x-kvevents-pod"] != victim and headers["x-kvevents-attempts"] == "1"
     text = http.call("GET", "/metrics")[2].decode()
-    assert f'kvservice_proxy_requests_total{{pod="{victim}",outcome="failed"}} 1' in text
+    assert f'kvservice_proxy_requests_total{{pod="{victim}",outcome="refused"}} 1' in text
     assert "kvservice_proxy_retries_total 1" in text
     assert f'kvservice_pod_down{{pod="{victim}"}} 1' in text
     pods = {p["name"]: p for p in http.get("/v1/pods")[1]["pods"]}
@@ -179,53 +185,3 @@ def test_missing_tokenizers_package_is_a_clear_error(tmp_path, monkeypatch) -> N
     monkeypatch.setattr(builtins, "__import__", no_tokenizers)
     with pytest.raises(ConfigError, match=r"pip install 'kvevents\[service\]'"):
         LocalTokenizer(tmp_path)
-
-
-def test_a_pod_that_times_out_is_retried_on_the_next(tmp_path) -> None:
-    """A pod whose server accepts and never answers: after upstream_timeout the next pod serves."""
-    import asyncio
-    import threading
-
-    from aiohttp import web
-
-    stalled = threading.Event()
-    loop = asyncio.new_event_loop()
-    box: dict = {}
-
-    async def hang(request):
-        stalled.set()
-        await box["release"].wait()  # until the test ends: far past upstream_timeout
-        return web.Response()
-
-    async def start():
-        box["release"] = asyncio.Event()
-        runner = web.AppRunner(web.Application(), shutdown_timeout=0.1)
-        runner.app.router.add_post("/v1/completions", hang)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        box["runner"] = runner
-        return runner.addresses[0][1]
-
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    fleet = SimEngineFleet(engines=1, model=MODEL).start()
-    cfg = fleet.config(proxy=True)
-    cfg["api"]["upstream_timeout"] = 0.5
-    # "a-hung" sorts first while no pod has a score
-    cfg["pods"].insert(0, {"name": "a-hung", "endpoint": f"ipc://{tmp_path}/hung.pub", "http": f"http://127.0.0.1:{port}"})
-    svc = InProcessService(from_dict(cfg).validate())
-    try:
-        status, headers, data = _complete(svc.http, {"prompt": [1, 2, 3]})
-        assert stalled.is_set()
-        assert status == 200 and headers["x-kvevents-pod"] == "engine-0" and headers["x-kvevents-attempts"] == "2"
-        text = svc.http.call("GET", "/metrics")[2].decode()
-        assert 'kvservice_proxy_requests_total{pod="a-hung",outcome="timeout"} 1' in text
-        assert 'kvservice_pod_down{pod="a-hung"} 1' in text
-    finally:
-        svc.close()
-        fleet.close()
-        loop.call_soon_threadsafe(box["release"].set)
-        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(5)
