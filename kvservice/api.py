@@ -66,7 +66,7 @@ class Api:
         self.internal_errors = 0
         self.telemetry = None  # kvservice.metrics.Telemetry once the service runs
         self.proxy = None  # kvservice.proxy.Proxy in --proxy mode
-        self.fast_site = None  # kvservice.fasthttp.FastSite when api.fast_path is on
+        self.fast_site = None  # kvservice.fasthttp.FastSite (every connection's front) once serving
         #: /v1/pods' per-pod entry counts (KVRouter.entries_by_pod, O(index)) are reused while the
         #: router's batches/entries/pods are unchanged, or for at most this many seconds under load
         self.pods_cache_s = 1.0

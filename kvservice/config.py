@@ -57,6 +57,8 @@ from consumers import RouterConfig
 from kvevents.endpoints import offset_endpoint, validate_endpoint
 from kvevents.errors import ConfigError, EndpointError
 
+from .http_limits import HttpConfig
+
 __all__ = ["ApiConfig", "PodConfig", "ServiceConfig", "SubscriberConfig", "load_config"]
 
 #: RouterConfig fields a config file may set (the rest are the router's internals)
@@ -125,6 +127,7 @@ class ServiceConfig:
     api: ApiConfig = field(default_factory=ApiConfig)
     subscriber: SubscriberConfig = field(default_factory=SubscriberConfig)
     pods: list[PodConfig] = field(default_factory=list)
+    http: HttpConfig = field(default_factory=HttpConfig)  #: [http]: every connection's bounds (http_limits.py)
 
     def router_config(self) -> RouterConfig:
         """The RouterConfig: the [router] keys, plus publisher identity -> pod for every rank."""
@@ -228,6 +231,7 @@ class ServiceConfig:
         v = self.subscriber.poll_interval
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
             raise ConfigError(f"subscriber.poll_interval must be seconds in [0, 1], got {v!r}")
+        self.http.validate()
         self.router_config()
         return self
 
@@ -276,7 +280,7 @@ def from_dict(data: dict) -> ServiceConfig:
     """A ServiceConfig from parsed TOML/YAML (not yet validated: :meth:`ServiceConfig.validate`)."""
     if not isinstance(data, dict):
         raise ConfigError("the config must be a table at the top level")
-    known = ("router", "api", "subscriber", "pods")
+    known = ("router", "api", "subscriber", "pods", "http")
     for k in data:
         if k not in known:
             raise ConfigError(f"{k}: unknown key (known: {', '.join(known)})")
@@ -296,6 +300,7 @@ def from_dict(data: dict) -> ServiceConfig:
         api=_section(ApiConfig, data.get("api", {}), "api"),
         subscriber=_section(SubscriberConfig, data.get("subscriber", {}), "subscriber"),
         pods=[_section(PodConfig, p, f"pods[{i}]") for i, p in enumerate(pods)],
+        http=_section(HttpConfig, data.get("http", {}), "http"),
     )
 
 

@@ -1,5 +1,6 @@
-"""A lean HTTP/1.1 front for the two hot routes (``POST /v1/score``, ``POST /v1/pick``), with
-everything else handed to aiohttp on the same connection.
+"""The HTTP front of every client connection: a lean HTTP/1.1 reader that answers the two hot
+routes (``POST /v1/score``, ``POST /v1/pick``) itself, frames every other request and hands it to
+aiohttp on the same connection, and bounds every connection (``[http]``, docs/http-limits.md).
 
 Why: aiohttp costs ~70 us of the one event loop per request on this machine (request object,
 header multidict, router, middleware, response object, stream writer) where the score itself
@@ -9,26 +10,41 @@ itself, synchronously, in one ``transport.write``:
 
 * ``POST /v1/score`` or ``/v1/pick``, ``HTTP/1.1``, one ``Content-Length`` within
   ``api.max_body_bytes``, no ``Transfer-Encoding``/``Expect``/``Upgrade``, ``Connection``
-  absent, keep-alive or close (answered, then closed), a JSON (or octet-stream, or no) content type, the bearer token when
-  one is required, and a body the API answers without awaiting anything (``token_ids``, not
-  ``prompt``/``messages``, which need the tokenizer).
+  absent, keep-alive or close (answered, then closed), a JSON (or octet-stream, or no) content
+  type, the bearer token when one is required, and a body the API answers without awaiting
+  anything (``token_ids``, not ``prompt``/``messages``, which need the tokenizer).
 
-Anything else — another route, HTTP/1.0, a chunked body, a wrong token, a body that fails to
-decode or validate, a prompt to tokenize, an over-long head — is **handed off**: the connection
-is given to aiohttp's own protocol (``transport.set_protocol``) together with the bytes of the
-request and whatever followed it, so aiohttp parses them from the start and answers exactly as
-it always did (the 401, 413, 415 and 4xx error JSON, the async tokenizer, the proxy routes).
-A connection handed off stays with aiohttp. Answers already written come first (they were
-written synchronously, before the hand-off), so pipelined requests keep their order.
+**One grammar.** Every request head is checked against what aiohttp's own parser (llhttp,
+strict) accepts, before anything is answered: CR and LF only as CRLF, no control character but
+HTAB, header names that are tokens, exactly one ``Host`` (HTTP/1.1), one decimal
+``Content-Length``, not both it and ``Transfer-Encoding``. A head that breaks one of these rules
+is answered 400 here, naming the rule (counted under route ``malformed``; aiohttp refuses the
+same bytes: ``tests/test_service_http_grammar.py`` feeds both the same corpus). A head this
+reader cannot vouch for (another HTTP version, a chunked or upgraded request, ``Expect``...)
+goes to aiohttp unread, and the connection stays with aiohttp's parser ("opaque").
+
+**Hand-off.** Anything else — another route, a wrong token, a body that fails to decode or
+validate, a prompt to tokenize — is given to aiohttp's protocol (one per connection, made on the
+first hand-off) as the complete request bytes, after this reader has received them all; the
+connection keeps this protocol in front (the transport's protocol), which frames each later
+request the same way and forwards it whole. Answers already written come first (they were
+written synchronously, before the hand-off), so pipelined requests keep their order; once a
+connection has handed a request off, every later request on it goes to aiohttp too.
+
+**Bounds** (:class:`kvservice.http_limits.HttpConfig`): the head within ``header_timeout`` of
+its first byte, the body within ``body_timeout`` of the head, ``idle_timeout`` between requests
+(aiohttp's keepalive_timeout once handed off; an opaque connection: without a byte from the
+client), at most ``max_connections`` open (past it, ``reserved_connections`` more for
+``GET /healthz``/``/readyz`` only, the oldest dropped first), at most ``max_buffered_bytes``
+held for unfinished requests across all connections, a head within ``max_head_bytes``, a body
+within ``api.max_body_bytes``. Each hit is counted (``kvservice_http_limit_hits_total{limit}``)
+and answered 408/413/431/503 where nothing else is pending on the connection, else closed. The
+timeouts are kept by one sweep over the connections (a few per timeout; the hot path only bumps
+a request count). A client that does not read its answers pauses reading (asyncio flow control).
 
 Counted like aiohttp's answers: ``kvservice_http_requests_total{route,method,status}`` and the
-latency histogram by route (:class:`kvservice.metrics.HttpMetrics`), from the same clock
-points (route handling only, not the socket). Bounds: a head is at most ``MAX_HEAD`` bytes and
-a body at most ``max_body_bytes`` (else hand-off, where aiohttp answers 413/431); a client that
-does not read its answers pauses reading once the transport's write buffer is over its high
-water mark (asyncio flow control), so nothing grows without bound.
-
-Runs on the event-loop thread only (like every aiohttp handler).
+latency histogram by route (:class:`kvservice.metrics.HttpMetrics`). Runs on the event-loop
+thread only (like every aiohttp handler).
 """
 
 from __future__ import annotations
@@ -36,15 +52,28 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from collections import deque
 from email.utils import formatdate
 
 from aiohttp import web
 
-__all__ = ["FastHttp", "FastSite", "MAX_HEAD"]
+from .http_limits import LIMITS, HttpConfig, QuietProtocolLog
+from .schema import error_body
 
-#: the most bytes of request line + headers read before giving the connection to aiohttp
-MAX_HEAD = 8192
+__all__ = ["FastHttp", "FastSite"]
+
 _OK_TYPES = frozenset({b"application/json", b"application/octet-stream", b""})
+#: bytes a head may hold: HTAB, CR, LF (as CRLF, checked apart), visible ASCII, SP, obs-text
+_TEXT = bytes([9, 10, 13, *range(0x20, 0x7F), *range(0x80, 0x100)])
+#: RFC 9110 token characters (method, header name)
+_TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_VERSIONS = (b"HTTP/1.1", b"HTTP/1.0")
+_PROBES = (b"/healthz", b"/readyz")
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large", 431: "Request Header Fields Too Large",
+            503: "Service Unavailable"}
+#: the sweep's phases: (limit counted, HttpConfig attribute with its seconds)
+_PHASES = (("idle_timeout", "idle_timeout"), ("header_timeout", "header_timeout"),
+           ("body_timeout", "body_timeout"), ("idle_timeout", "idle_timeout"))
 
 
 class _Date:
@@ -65,9 +94,10 @@ class _Date:
 
 
 class FastHttp(asyncio.Protocol):
-    """One client connection: hot routes answered here, the rest handed to aiohttp."""
+    """One client connection: hot routes answered here, the rest framed and handed to aiohttp."""
 
-    __slots__ = ("site", "transport", "buf", "need", "paused", "handed")
+    __slots__ = ("site", "transport", "buf", "need", "paused", "proto", "opaque", "nreq", "nin", "held",
+                 "reserve", "seen", "since")
 
     def __init__(self, site: "FastSite") -> None:
         self.site = site
@@ -75,24 +105,44 @@ class FastHttp(asyncio.Protocol):
         self.buf = bytearray()
         self.need = 0  #: bytes ``buf`` must hold before parsing again (a body still arriving)
         self.paused = False
-        self.handed = False
+        self.proto = None  #: aiohttp's protocol, once a request was handed off
+        self.opaque = False  #: aiohttp parses this connection's bytes itself from here on
+        self.nreq = 0  #: requests received whole (the sweep's sign of progress)
+        self.nin = 0  #: bytes received while opaque (idem)
+        self.held = 0  #: bytes of an unfinished request counted in ``site.buffered``
+        self.reserve = 0  #: 1: admitted past the cap, for a health probe; 2: its probe arrived
+        self.seen = None  #: (phase, progress) at the last sweep that saw it change
+        self.since = 0.0
 
     # ---- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.site.conns.add(self)
+        self.site.admit(self)
 
     def connection_lost(self, exc) -> None:
-        self.site.conns.discard(self)
+        site = self.site
+        site.conns.discard(self)
+        if self.reserve:
+            try:
+                site.reserve.remove(self)
+            except ValueError:
+                pass
+        self._hold(0)
         self.transport = None
+        if self.proto is not None:
+            self.proto.connection_lost(exc)
 
     def pause_writing(self) -> None:  # the client does not read: stop reading its requests
-        if not self.paused and self.transport is not None:
+        if self.proto is not None:
+            self.proto.pause_writing()
+        elif not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.paused and self.transport is not None:
+        if self.proto is not None:
+            self.proto.resume_writing()
+        elif self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
 
@@ -100,43 +150,56 @@ class FastHttp(asyncio.Protocol):
         return False  # close; a request cut short is not answered (nothing to answer it with)
 
     def data_received(self, data: bytes) -> None:
+        if self.opaque:
+            self.nin += len(data)
+            return self.proto.data_received(data)
         buf = self.buf
         if buf:
             buf += data
             if len(buf) < self.need:
-                return
+                return self._hold(len(buf))
             data = bytes(buf)
             buf.clear()
         self.need = 0
         n = len(data)
         pos = 0
         site = self.site
+        cap = site.max_head
         while pos < n:
-            he = data.find(b"\r\n\r\n", pos, pos + MAX_HEAD + 4)
+            he = data.find(b"\r\n\r\n", pos, pos + cap + 4)
             if he < 0:
-                if n - pos > MAX_HEAD:
-                    return self._handoff(data[pos:])
+                if n - pos > cap:
+                    return self._refuse(431, "head_too_large", f"the request head is over http.max_head_bytes ({cap})")
                 break
-            le = data.find(b"\r\n", pos, he + 2)
-            parts = data[pos:le].split(b" ")
-            route = site.routes.get(parts[1]) if len(parts) == 3 else None
-            if route is None or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
-                return self._handoff(data[pos:])
+            head = data[pos:he]
+            crlf = head.count(b"\r\n")
+            if head.count(b"\r") != crlf or head.count(b"\n") != crlf or head.translate(None, _TEXT):
+                return self._bad(data, pos, "a bare CR or LF, or a control character, in the request head")
+            lines = head.split(b"\r\n")
+            parts = lines[0].split(b" ")
+            if len(parts) != 3 or parts[2] not in _VERSIONS or not parts[0] or parts[0].translate(None, _TCHAR):
+                return self._opaque(data[pos:])  # aiohttp's parser decides (and answers)
             length = -1
+            hosts = 0
             ctype = b""
             auth = None
             close = False
-            for line in data[le + 2:he].split(b"\r\n"):
-                name, sep, value = line.partition(b":")
+            fast = True
+            chunked = unsure = False
+            for i in range(1, len(lines)):
+                name, sep, value = lines[i].partition(b":")
+                if not sep or not name or name.translate(None, _TCHAR):
+                    return self._bad(data, pos, "a malformed header line (no ':', or whitespace or a separator in "
+                                     "the name, or a folded line)")
                 name = name.lower()
-                if not sep or name != name.strip() or not name:
-                    return self._handoff(data[pos:])  # obs-fold, a space before ':', no ':'
-                value = value.strip()
+                value = value.strip(b" \t")
                 if name == b"content-length":
                     # at most 18 digits: int() refuses over 4,300, and no body is that long
                     if length >= 0 or not value.isdigit() or len(value) > 18:
-                        return self._handoff(data[pos:])
+                        return self._bad(data, pos, "Content-Length must be given once, as a decimal number")
                     length = int(value)
+                elif name == b"host":
+                    hosts += 1
                 elif name == b"content-type":
                     ctype = value
                 elif name == b"authorization":
@@ -146,82 +209,229 @@ class FastHttp(asyncio.Protocol):
                     if value == b"close":
                         close = True
                     elif value != b"keep-alive":
-                        return self._handoff(data[pos:])
-                elif name in (b"transfer-encoding", b"expect", b"upgrade"):
-                    return self._handoff(data[pos:])
-            if length < 0 or length > site.max_body:
-                return self._handoff(data[pos:])
-            if ctype and ctype.partition(b";")[0].strip().lower() not in _OK_TYPES:
-                return self._handoff(data[pos:])
-            token = site.token
-            if token is not None and not (auth is not None and auth.startswith(b"Bearer ")
-                                          and hmac.compare_digest(auth[7:].strip(), token)):
-                return self._handoff(data[pos:])
-            end = he + 4 + length
+                        fast = False
+                elif name == b"transfer-encoding":
+                    chunked = True
+                elif name in (b"expect", b"upgrade"):
+                    unsure = True
+            if hosts != 1:
+                if parts[2] == b"HTTP/1.1":
+                    return self._bad(data, pos, "an HTTP/1.1 request needs exactly one Host header")
+                unsure = True
+            if chunked:
+                if length >= 0:
+                    return self._bad(data, pos, "Content-Length and Transfer-Encoding together")
+                unsure = True
+            if unsure:
+                return self._opaque(data[pos:])
+            if self.reserve:
+                if self.reserve == 2 or parts[0] != b"GET" or parts[1].partition(b"?")[0] not in _PROBES:
+                    return self._refuse(503, "connections", "the server is at its connection limit "
+                                        "(http.max_connections): only GET /healthz and /readyz are answered")
+                self.reserve = 2
+            if length > site.max_body:
+                return self._refuse(413, "body_too_large", f"the request body is over the limit of {site.max_body} bytes")
+            end = he + 4 + (length if length > 0 else 0)
             if end > n:
                 self.need = end - pos
                 break
-            answer = site.answer(route, memoryview(data)[he + 4:end], close)  # the body, not copied
-            if answer is None:
-                return self._handoff(data[pos:])
-            self.transport.write(answer)
-            if close:
-                self.transport.close()  # after the answer is flushed; what followed is not read
-                return
+            self.nreq += 1
+            route = site.routes.get(parts[1]) if fast and self.proto is None else None
+            if route is not None and parts[0] == b"POST" and parts[2] == b"HTTP/1.1" and (
+                    not ctype or ctype.partition(b";")[0].strip().lower() in _OK_TYPES):
+                token = site.token
+                if token is None or (auth is not None and auth.startswith(b"Bearer ")
+                                     and hmac.compare_digest(auth[7:].strip(), token)):
+                    answer = site.answer(route, memoryview(data)[he + 4:end], close)  # the body, not copied
+                    if answer is not None:
+                        self.transport.write(answer)
+                        if close:
+                            self.transport.close()  # after the answer is flushed; what followed is not read
+                            return self._hold(0)
+                        pos = end
+                        continue
+            self._aio().data_received(data[pos:end])
             pos = end
         if pos < n:
             buf += data[pos:] if pos else data
+            self._hold(len(buf))
+        elif self.held:
+            self._hold(0)
 
     # ---- hand-off ----------------------------------------------------------------------------
-    def _handoff(self, rest: bytes) -> None:
-        """Give the connection, and ``rest`` (this request onwards), to aiohttp's protocol."""
-        t = self.transport
+    def _aio(self):
+        """aiohttp's protocol for this connection (made on the first hand-off)."""
+        proto = self.proto
+        if proto is None:
+            site = self.site
+            site.handoffs += 1
+            proto = self.proto = site.slow()
+            proto.connection_made(self.transport)
+            if self.paused:  # aiohttp's writer now waits for the client instead
+                self.paused = False
+                self.transport.resume_reading()
+                proto.pause_writing()
+        return proto
+
+    def _opaque(self, rest: bytes) -> None:
+        """Give this request onwards to aiohttp's parser, for the rest of the connection."""
         self.buf.clear()
-        self.handed = True
-        self.site.conns.discard(self)
-        self.site.handoffs += 1
+        self._hold(0)
+        if self.transport is None or self.transport.is_closing():
+            return
+        proto = self._aio()
+        self.opaque = True
+        self.nin = len(rest)
+        proto.data_received(rest)
+
+    def _bad(self, data: bytes, pos: int, message: str) -> None:
+        """A head aiohttp's parser refuses too: answered 400 here (nothing else pending), else
+        given to aiohttp to answer in order."""
+        if self.proto is not None:
+            return self._opaque(data[pos:])
+        self.site.api.metrics.observe("malformed", "-", 400, 0.0)
+        self._answer_close(400, message, "malformed_request")
+        self.buf.clear()
+        self._hold(0)
+
+    def _refuse(self, status: int, limit: str, message: str) -> None:
+        """A limit hit: counted; answered ``status`` when nothing else is pending, and closed."""
+        site = self.site
+        site.limit_hits[limit] += 1
+        site.api.metrics.observe("limit", "-", status, 0.0)
+        if self.proto is None:
+            self._answer_close(status, message, "limit_" + limit)
+        elif self.transport is not None:
+            self.transport.close()
+        self.buf.clear()
+        self._hold(0)
+
+    def _answer_close(self, status: int, message: str, kind: str) -> None:
+        t = self.transport
         if t is None or t.is_closing():
             return
-        if self.paused:
-            self.paused = False
-            t.resume_reading()
-        proto = self.site.slow()
-        t.set_protocol(proto)
-        proto.connection_made(t)
-        if rest:
-            proto.data_received(rest)
+        body = error_body(status, message, None, kind)
+        t.write(b"".join((f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json; charset=utf-8\r\n"
+                          f"Content-Length: {len(body)}\r\nConnection: close\r\n".encode(), b"Date: ",
+                          self.site._date.get(), b"\r\nServer: kvevents\r\n\r\n", body)))
+        t.close()
+
+    def _hold(self, n: int) -> None:
+        """Count ``n`` bytes of an unfinished request as held (``http.max_buffered_bytes``)."""
+        site = self.site
+        site.buffered += n - self.held
+        self.held = n
+        if n and site.buffered > site.max_buffered:
+            self._refuse(503, "buffered_bytes", "the server holds too many bytes of unfinished requests "
+                         "(http.max_buffered_bytes): retry later")
+
+    def expire(self, limit: str) -> None:
+        """A timeout (the sweep): 408 for a request cut short when nothing else is pending, else
+        closed."""
+        if limit == "idle_timeout" or self.proto is not None:
+            self.site.limit_hits[limit] += 1
+            self.buf.clear()
+            self._hold(0)
+            if self.transport is not None:
+                self.transport.close()
+            return
+        self._refuse(408, limit, f"the request was not received within http.{limit} "
+                     f"({getattr(self.site.limits, limit)} s)")
 
 
 class FastSite(web.TCPSite):
     """A TCPSite whose connections start on :class:`FastHttp`; ``api`` (a
-    :class:`kvservice.api.Api`) answers the hot routes via :meth:`Api.fast_answer`."""
+    :class:`kvservice.api.Api`) answers the hot routes via :meth:`Api.fast_answer` (``fast``
+    False: every request goes to aiohttp, the bounds still apply)."""
 
-    def __init__(self, runner: web.AppRunner, api, host: str | None, port: int | None, **kw) -> None:
+    def __init__(self, runner: web.AppRunner, api, host: str | None, port: int | None, *, fast: bool = True,
+                 **kw) -> None:
         super().__init__(runner, host, port, **kw)
         self.api = api
+        cfg = api.fleet.cfg
+        self.limits: HttpConfig = getattr(cfg, "http", None) or HttpConfig()
         self.conns: set[FastHttp] = set()
+        self.reserve: deque[FastHttp] = deque()  #: connections admitted past the cap, oldest first
         self.handoffs = 0  #: connections given to aiohttp (another route, an error, a prompt...)
-        self.max_body = api.fleet.cfg.api.max_body_bytes
+        self.limit_hits = dict.fromkeys(LIMITS, 0)
+        self.buffered = 0  #: bytes held for unfinished requests, all connections
+        self.max_body = cfg.api.max_body_bytes
+        self.max_head = self.limits.max_head_bytes
+        self.max_buffered = self.limits.max_buffered_bytes
+        self.max_conns = self.limits.connection_cap()
         self.token = api.token.encode() if api.token is not None else None
-        self.routes = {b"/v1/score": "/v1/score", b"/v1/pick": "/v1/pick"}
+        self.routes = {b"/v1/score": "/v1/score", b"/v1/pick": "/v1/pick"} if fast else {}
         self.slow = None  # aiohttp's protocol factory (web.Server), set by start()
         self._date = _Date()
+        self._tick: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @staticmethod
+    def runner_kwargs(limits: HttpConfig, metrics) -> dict:
+        """web.AppRunner's keyword arguments for aiohttp's side of the connections: the idle
+        keep-alive timeout, and the logger that counts what its parser refuses."""
+        return {"keepalive_timeout": limits.idle_timeout, "logger": QuietProtocolLog(metrics)}
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with the runner
         self.slow = self._runner.server
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: FastHttp(self), self._host, self._port,
                                                 backlog=self._backlog, reuse_address=self._reuse_address,
                                                 reuse_port=self._reuse_port)
         self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
+        self._tick = loop.call_later(self.sweep_every(), self.sweep)
 
     async def stop(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
         await super().stop()
         for c in list(self.conns):  # aiohttp closes the handed-off ones itself
-            if c.transport is not None:
+            if c.transport is not None and c.proto is None:
                 c.transport.close()
-        self.conns.clear()
+
+    def sweep_every(self) -> float:
+        lim = self.limits
+        return min(1.0, max(0.01, min(lim.header_timeout, lim.body_timeout, lim.idle_timeout) / 4))
+
+    def admit(self, conn: FastHttp) -> None:
+        """A new connection: within the cap, or one of the reserve (the oldest reserve dropped)."""
+        if len(self.conns) - len(self.reserve) >= self.max_conns:
+            conn.reserve = 1
+            self.reserve.append(conn)
+            if len(self.reserve) > self.limits.reserved_connections:
+                old = self.reserve.popleft()
+                old.reserve = 0
+                self.limit_hits["connections"] += 1
+                if old.transport is not None:
+                    old.transport.close()
+        self.conns.add(conn)
+
+    def sweep(self) -> None:
+        """Close the connections past a timeout: a phase (0 idle, 1 head, 2 body, 3 opaque) and
+        its progress unchanged since ``since``."""
+        loop = self._loop
+        now = loop.time()
+        lim = self.limits
+        try:
+            for c in list(self.conns):
+                if c.opaque:
+                    key = (3, c.nin)
+                elif c.buf:
+                    key = (2 if c.need else 1, c.nreq)
+                elif c.proto is not None:
+                    continue  # between requests: aiohttp's keep-alive timeout
+                else:  # before the first request: its head is late
+                    key = (0 if c.nreq else 1, c.nreq)
+                if key != c.seen:
+                    c.seen = key
+                    c.since = now
+                    continue
+                limit, attr = _PHASES[key[0]]
+                if now - c.since >= getattr(lim, attr):
+                    c.expire(limit)
+        finally:
+            self._tick = loop.call_later(self.sweep_every(), self.sweep)
 
     def answer(self, route: str, body: bytes | memoryview, close: bool = False) -> bytes | None:
         """The whole HTTP answer for a hot route, or None to hand the request to aiohttp."""
