@@ -76,6 +76,16 @@ _PHASES = (("idle_timeout", "idle_timeout"), ("header_timeout", "header_timeout"
            ("body_timeout", "body_timeout"), ("idle_timeout", "idle_timeout"))
 
 
+_BROKEN = "a bare CR or LF, or a control character, in the request head"
+
+
+def _broken(part) -> bool:
+    """Part of a head, from a line's start or a pending CR: a control character but HTAB, or a
+    CR/LF not in a CRLF (a CR at the end may still get its LF)."""
+    crlf = part.count(b"\r\n")
+    return bool(part.translate(None, _TEXT)) or part.count(b"\n") != crlf or part.count(b"\r") - crlf > part.endswith(b"\r")
+
+
 class _Date:
     """The ``Date`` header, formatted once a second."""
 
@@ -158,6 +168,9 @@ class FastHttp(asyncio.Protocol):
             buf += data
             if len(buf) < self.need:
                 return self._hold(len(buf))
+            old = len(buf) - len(data)
+            if not self.need and buf.find(b"\r\n\r\n", max(0, old - 3)) < 0:
+                return self._more_head(old)
             data = bytes(buf)
             buf.clear()
         self.need = 0
@@ -170,11 +183,13 @@ class FastHttp(asyncio.Protocol):
             if he < 0:
                 if n - pos > cap:
                     return self._refuse(431, "head_too_large", f"the request head is over http.max_head_bytes ({cap})")
+                if _broken(data[pos:]):
+                    return self._bad(data, pos, _BROKEN)
                 break
             head = data[pos:he]
             crlf = head.count(b"\r\n")
             if head.count(b"\r") != crlf or head.count(b"\n") != crlf or head.translate(None, _TEXT):
-                return self._bad(data, pos, "a bare CR or LF, or a control character, in the request head")
+                return self._bad(data, pos, _BROKEN)
             lines = head.split(b"\r\n")
             parts = lines[0].split(b" ")
             if len(parts) != 3 or parts[2] not in _VERSIONS or not parts[0] or parts[0].translate(None, _TCHAR):
@@ -257,6 +272,17 @@ class FastHttp(asyncio.Protocol):
             self._hold(len(buf))
         elif self.held:
             self._hold(0)
+
+    def _more_head(self, old: int) -> None:
+        """More of a head still incomplete (``buf[old:]`` new): refused as soon as it breaks the
+        grammar or the size cap (aiohttp's parser stops at the first bad byte too), else held."""
+        buf = self.buf
+        if len(buf) > self.site.max_head:
+            return self._refuse(431, "head_too_large", f"the request head is over http.max_head_bytes "
+                                f"({self.site.max_head})")
+        if _broken(buf[old - 1 if old and buf[old - 1] == 13 else old:]):  # a CR left pending: judged now
+            return self._bad(bytes(buf), 0, _BROKEN)
+        self._hold(len(buf))
 
     # ---- hand-off ----------------------------------------------------------------------------
     def _aio(self):
