@@ -21,10 +21,9 @@ import logging
 import time
 
 import aiohttp
-import msgspec
 from aiohttp import web
 
-from .schema import ApiError
+from .schema import ApiError, decode
 
 __all__ = ["Proxy"]
 
@@ -130,10 +129,7 @@ class Proxy:
 
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
-        try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        body = decode(raw, object)  # BadRequest (400) naming the problem: not JSON, too deep, not UTF-8
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         model = body.get("model")
