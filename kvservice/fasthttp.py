@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import time
 from collections import deque
 from email.utils import formatdate
@@ -65,9 +66,6 @@ __all__ = ["FastHttp", "FastSite"]
 _OK_TYPES = frozenset({b"application/json", b"application/octet-stream", b""})
 #: bytes a head may hold: HTAB, CR, LF (as CRLF, checked apart), visible ASCII, SP, obs-text
 _TEXT = bytes([9, 10, 13, *range(0x20, 0x7F), *range(0x80, 0x100)])
-#: RFC 9110 token characters (method, header name)
-_TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-_VERSIONS = (b"HTTP/1.1", b"HTTP/1.0")
 _PROBES = (b"/healthz", b"/readyz")
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large", 431: "Request Header Fields Too Large",
             503: "Service Unavailable"}
@@ -77,6 +75,24 @@ _PHASES = (("idle_timeout", "idle_timeout"), ("header_timeout", "header_timeout"
 
 
 _BROKEN = "a bare CR or LF, or a control character, in the request head"
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+#: the common shape of a head (without its blank line), every rule of the grammar in one match:
+#: method, origin-form target, version, and the header lines (each CRLF-led: a token name, ':',
+#: a value of HTAB, visible ASCII, SP and obs-text)
+_HEAD = re.compile(rb"([A-Z]+) (/[\x21-\x7e]*) (HTTP/1\.[01])((?:\r\n" + _TOKEN + rb":[\t\x20-\x7e\x80-\xff]*)*)")
+_NAME = re.compile(_TOKEN)
+
+
+def _misfit(head: bytes) -> str | None:
+    """Why a head off :data:`_HEAD`'s shape is refused (aiohttp's parser refuses it too), or None:
+    aiohttp's parser is to judge it (another request-line form)."""
+    if _broken(head):
+        return _BROKEN
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, _value = line.partition(b":")
+        if not sep or not _NAME.fullmatch(name):
+            return "a malformed header line (no ':', or whitespace or a separator in the name, or a folded line)"
+    return None
 
 
 def _broken(part) -> bool:
@@ -186,14 +202,11 @@ class FastHttp(asyncio.Protocol):
                 if _broken(data[pos:]):
                     return self._bad(data, pos, _BROKEN)
                 break
-            head = data[pos:he]
-            crlf = head.count(b"\r\n")
-            if head.count(b"\r") != crlf or head.count(b"\n") != crlf or head.translate(None, _TEXT):
-                return self._bad(data, pos, _BROKEN)
-            lines = head.split(b"\r\n")
-            parts = lines[0].split(b" ")
-            if len(parts) != 3 or parts[2] not in _VERSIONS or not parts[0] or parts[0].translate(None, _TCHAR):
-                return self._opaque(data[pos:])  # aiohttp's parser decides (and answers)
+            m = _HEAD.fullmatch(data, pos, he)
+            if m is None:  # off the common shape: a rule broken (400), or for aiohttp's parser to judge
+                why = _misfit(data[pos:he])
+                return self._bad(data, pos, why) if why else self._opaque(data[pos:])
+            method, target, version, block = m.groups()
             length = -1
             hosts = 0
             ctype = b""
@@ -201,11 +214,9 @@ class FastHttp(asyncio.Protocol):
             close = False
             fast = True
             chunked = unsure = False
-            for i in range(1, len(lines)):
-                name, sep, value = lines[i].partition(b":")
-                if not sep or not name or name.translate(None, _TCHAR):
-                    return self._bad(data, pos, "a malformed header line (no ':', or whitespace or a separator in "
-                                     "the name, or a folded line)")
+            lines = block.split(b"\r\n")
+            for i in range(1, len(lines)):  # lines[0] is empty (the block starts with CRLF)
+                name, _, value = lines[i].partition(b":")
                 name = name.lower()
                 value = value.strip(b" \t")
                 if name == b"content-length":
@@ -230,7 +241,7 @@ class FastHttp(asyncio.Protocol):
                 elif name in (b"expect", b"upgrade"):
                     unsure = True
             if hosts != 1:
-                if parts[2] == b"HTTP/1.1":
+                if version == b"HTTP/1.1":
                     return self._bad(data, pos, "an HTTP/1.1 request needs exactly one Host header")
                 unsure = True
             if chunked:
@@ -240,7 +251,7 @@ class FastHttp(asyncio.Protocol):
             if unsure:
                 return self._opaque(data[pos:])
             if self.reserve:
-                if self.reserve == 2 or parts[0] != b"GET" or parts[1].partition(b"?")[0] not in _PROBES:
+                if self.reserve == 2 or method != b"GET" or target.partition(b"?")[0] not in _PROBES:
                     return self._refuse(503, "connections", "the server is at its connection limit "
                                         "(http.max_connections): only GET /healthz and /readyz are answered")
                 self.reserve = 2
@@ -251,8 +262,8 @@ class FastHttp(asyncio.Protocol):
                 self.need = end - pos
                 break
             self.nreq += 1
-            route = site.routes.get(parts[1]) if fast and self.proto is None else None
-            if route is not None and parts[0] == b"POST" and parts[2] == b"HTTP/1.1" and (
+            route = site.routes.get(target) if fast and self.proto is None else None
+            if route is not None and method == b"POST" and version == b"HTTP/1.1" and (
                     not ctype or ctype.partition(b";")[0].strip().lower() in _OK_TYPES):
                 token = site.token
                 if token is None or (auth is not None and auth.startswith(b"Bearer ")
