@@ -143,11 +143,12 @@ async def _serve(cfg: ServiceConfig, stop: asyncio.Event, announce, fleet, token
         api = app[API_KEY]
         api.telemetry = Telemetry(fleet)
         from .fasthttp import FastSite
+        from .http_limits import runner_kwargs
 
         # every connection starts on kvservice.fasthttp (the [http] bounds); api.fast_path: it
         # answers the hot routes itself
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5,
-                               **FastSite.runner_kwargs(cfg.http, api.metrics))
+                               **runner_kwargs(cfg.http, api.metrics))
         await runner.setup()
         try:
             site = api.fast_site = FastSite(runner, api, cfg.api.host, cfg.api.port, fast=cfg.api.fast_path)

@@ -53,12 +53,11 @@ import asyncio
 import hmac
 import re
 import time
-from collections import deque
 from email.utils import formatdate
 
 from aiohttp import web
 
-from .http_limits import LIMITS, HttpConfig, QuietProtocolLog
+from .http_limits import Bounds, HttpConfig
 from .schema import error_body
 
 __all__ = ["FastHttp", "FastSite"]
@@ -69,11 +68,6 @@ _TEXT = bytes([9, 10, 13, *range(0x20, 0x7F), *range(0x80, 0x100)])
 _PROBES = (b"/healthz", b"/readyz")
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large", 431: "Request Header Fields Too Large",
             503: "Service Unavailable"}
-#: the sweep's phases: (limit counted, HttpConfig attribute with its seconds)
-_PHASES = (("idle_timeout", "idle_timeout"), ("header_timeout", "header_timeout"),
-           ("body_timeout", "body_timeout"), ("idle_timeout", "idle_timeout"))
-
-
 _BROKEN = "a bare CR or LF, or a control character, in the request head"
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 #: the common shape of a head (without its blank line), every rule of the grammar in one match:
@@ -123,7 +117,7 @@ class FastHttp(asyncio.Protocol):
     """One client connection: hot routes answered here, the rest framed and handed to aiohttp."""
 
     __slots__ = ("site", "transport", "buf", "need", "paused", "proto", "opaque", "nreq", "nin", "held",
-                 "reserve", "seen", "since")
+                 "reserve", "seen", "since", "cont")
 
     def __init__(self, site: "FastSite") -> None:
         self.site = site
@@ -139,20 +133,15 @@ class FastHttp(asyncio.Protocol):
         self.reserve = 0  #: 1: admitted past the cap, for a health probe; 2: its probe arrived
         self.seen = None  #: (phase, progress) at the last sweep that saw it change
         self.since = 0.0
+        self.cont = -1  #: ``nreq`` when "100 Continue" was last written (Expect: 100-continue)
 
     # ---- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.site.admit(self)
+        self.site.bounds.admit(self)
 
     def connection_lost(self, exc) -> None:
-        site = self.site
-        site.conns.discard(self)
-        if self.reserve:
-            try:
-                site.reserve.remove(self)
-            except ValueError:
-                pass
+        self.site.bounds.drop(self)
         self._hold(0)
         self.transport = None
         if self.proto is not None:
@@ -213,7 +202,7 @@ class FastHttp(asyncio.Protocol):
             auth = None
             close = False
             fast = True
-            chunked = unsure = False
+            chunked = unsure = expect = False
             lines = block.split(b"\r\n")
             for i in range(1, len(lines)):  # lines[0] is empty (the block starts with CRLF)
                 name, _, value = lines[i].partition(b":")
@@ -238,7 +227,10 @@ class FastHttp(asyncio.Protocol):
                         fast = False
                 elif name == b"transfer-encoding":
                     chunked = True
-                elif name in (b"expect", b"upgrade"):
+                elif name == b"expect":  # aiohttp answers it (417 unless 100-continue)
+                    fast = False
+                    expect = value.lower() == b"100-continue"
+                elif name == b"upgrade":
                     unsure = True
             if hosts != 1:
                 if version == b"HTTP/1.1":
@@ -260,6 +252,9 @@ class FastHttp(asyncio.Protocol):
             end = he + 4 + (length if length > 0 else 0)
             if end > n:
                 self.need = end - pos
+                if expect and self.proto is None and self.cont != self.nreq:  # nothing else pending
+                    self.cont = self.nreq
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 break
             self.nreq += 1
             route = site.routes.get(target) if fast and self.proto is None else None
@@ -334,7 +329,7 @@ class FastHttp(asyncio.Protocol):
     def _refuse(self, status: int, limit: str, message: str) -> None:
         """A limit hit: counted; answered ``status`` when nothing else is pending, and closed."""
         site = self.site
-        site.limit_hits[limit] += 1
+        site.bounds.limit_hits[limit] += 1
         site.api.metrics.observe("limit", "-", status, 0.0)
         if self.proto is None:
             self._answer_close(status, message, "limit_" + limit)
@@ -355,10 +350,10 @@ class FastHttp(asyncio.Protocol):
 
     def _hold(self, n: int) -> None:
         """Count ``n`` bytes of an unfinished request as held (``http.max_buffered_bytes``)."""
-        site = self.site
-        site.buffered += n - self.held
+        bounds = self.site.bounds
+        bounds.buffered += n - self.held
         self.held = n
-        if n and site.buffered > site.max_buffered:
+        if n and bounds.buffered > bounds.max_buffered:
             self._refuse(503, "buffered_bytes", "the server holds too many bytes of unfinished requests "
                          "(http.max_buffered_bytes): retry later")
 
@@ -366,14 +361,14 @@ class FastHttp(asyncio.Protocol):
         """A timeout (the sweep): 408 for a request cut short when nothing else is pending, else
         closed."""
         if limit == "idle_timeout" or self.proto is not None:
-            self.site.limit_hits[limit] += 1
+            self.site.bounds.limit_hits[limit] += 1
             self.buf.clear()
             self._hold(0)
             if self.transport is not None:
                 self.transport.close()
             return
         self._refuse(408, limit, f"the request was not received within http.{limit} "
-                     f"({getattr(self.site.limits, limit)} s)")
+                     f"({getattr(self.site.bounds.limits, limit)} s)")
 
 
 class FastSite(web.TCPSite):
@@ -386,89 +381,31 @@ class FastSite(web.TCPSite):
         super().__init__(runner, host, port, **kw)
         self.api = api
         cfg = api.fleet.cfg
-        self.limits: HttpConfig = getattr(cfg, "http", None) or HttpConfig()
-        self.conns: set[FastHttp] = set()
-        self.reserve: deque[FastHttp] = deque()  #: connections admitted past the cap, oldest first
+        self.bounds = Bounds(getattr(cfg, "http", None) or HttpConfig())  #: the connections and their limits
         self.handoffs = 0  #: connections given to aiohttp (another route, an error, a prompt...)
-        self.limit_hits = dict.fromkeys(LIMITS, 0)
-        self.buffered = 0  #: bytes held for unfinished requests, all connections
         self.max_body = cfg.api.max_body_bytes
-        self.max_head = self.limits.max_head_bytes
-        self.max_buffered = self.limits.max_buffered_bytes
-        self.max_conns = self.limits.connection_cap()
+        self.max_head = self.bounds.max_head
         self.token = api.token.encode() if api.token is not None else None
         self.routes = {b"/v1/score": "/v1/score", b"/v1/pick": "/v1/pick"} if fast else {}
         self.slow = None  # aiohttp's protocol factory (web.Server), set by start()
         self._date = _Date()
-        self._tick: asyncio.TimerHandle | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    @staticmethod
-    def runner_kwargs(limits: HttpConfig, metrics) -> dict:
-        """web.AppRunner's keyword arguments for aiohttp's side of the connections: the idle
-        keep-alive timeout, and the logger that counts what its parser refuses."""
-        return {"keepalive_timeout": limits.idle_timeout, "logger": QuietProtocolLog(metrics)}
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with the runner
         self.slow = self._runner.server
-        loop = self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: FastHttp(self), self._host, self._port,
                                                 backlog=self._backlog, reuse_address=self._reuse_address,
                                                 reuse_port=self._reuse_port)
         self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
-        self._tick = loop.call_later(self.sweep_every(), self.sweep)
+        self.bounds.start(loop)
 
     async def stop(self) -> None:
-        if self._tick is not None:
-            self._tick.cancel()
+        self.bounds.stop()
         await super().stop()
-        for c in list(self.conns):  # aiohttp closes the handed-off ones itself
+        for c in list(self.bounds.conns):  # aiohttp closes the handed-off ones itself
             if c.transport is not None and c.proto is None:
                 c.transport.close()
-
-    def sweep_every(self) -> float:
-        lim = self.limits
-        return min(1.0, max(0.01, min(lim.header_timeout, lim.body_timeout, lim.idle_timeout) / 4))
-
-    def admit(self, conn: FastHttp) -> None:
-        """A new connection: within the cap, or one of the reserve (the oldest reserve dropped)."""
-        if len(self.conns) - len(self.reserve) >= self.max_conns:
-            conn.reserve = 1
-            self.reserve.append(conn)
-            if len(self.reserve) > self.limits.reserved_connections:
-                old = self.reserve.popleft()
-                old.reserve = 0
-                self.limit_hits["connections"] += 1
-                if old.transport is not None:
-                    old.transport.close()
-        self.conns.add(conn)
-
-    def sweep(self) -> None:
-        """Close the connections past a timeout: a phase (0 idle, 1 head, 2 body, 3 opaque) and
-        its progress unchanged since ``since``."""
-        loop = self._loop
-        now = loop.time()
-        lim = self.limits
-        try:
-            for c in list(self.conns):
-                if c.opaque:
-                    key = (3, c.nin)
-                elif c.buf:
-                    key = (2 if c.need else 1, c.nreq)
-                elif c.proto is not None:
-                    continue  # between requests: aiohttp's keep-alive timeout
-                else:  # before the first request: its head is late
-                    key = (0 if c.nreq else 1, c.nreq)
-                if key != c.seen:
-                    c.seen = key
-                    c.since = now
-                    continue
-                limit, attr = _PHASES[key[0]]
-                if now - c.since >= getattr(lim, attr):
-                    c.expire(limit)
-        finally:
-            self._tick = loop.call_later(self.sweep_every(), self.sweep)
 
     def answer(self, route: str, body: bytes | memoryview, close: bool = False) -> bytes | None:
         """The whole HTTP answer for a hot route, or None to hand the request to aiohttp."""

@@ -8,13 +8,15 @@ Enforced by :class:`kvservice.fasthttp.FastSite` on every connection (``docs/htt
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import resource
+from collections import deque
 from dataclasses import dataclass
 
 from kvevents.errors import ConfigError
 
-__all__ = ["HttpConfig", "LIMITS", "QuietProtocolLog", "auto_max_connections"]
+__all__ = ["Bounds", "HttpConfig", "LIMITS", "QuietProtocolLog", "auto_max_connections", "runner_kwargs"]
 
 log = logging.getLogger("kvservice")
 
@@ -59,6 +61,96 @@ class HttpConfig:
 
     def connection_cap(self) -> int:
         return self.max_connections or auto_max_connections(self.reserved_connections)
+
+
+#: the sweep's phases of a connection: the limit it is held to (an HttpConfig attribute)
+_PHASES = ("idle_timeout", "header_timeout", "body_timeout", "idle_timeout", "idle_timeout")
+
+
+class Bounds:
+    """The open connections (:class:`kvservice.fasthttp.FastHttp`) of one site and their bounds:
+    the connection cap and its reserve (:meth:`admit`), the bytes held for unfinished requests
+    (``buffered``, kept by the connections), and the timeouts, kept by :meth:`sweep`, run a few
+    times per shortest timeout: a connection whose phase and progress have not changed for its
+    phase's timeout is expired (``FastHttp.expire``). Event-loop thread only."""
+
+    def __init__(self, limits: HttpConfig) -> None:
+        self.limits = limits
+        self.conns: set = set()
+        self.reserve: deque = deque()  #: connections admitted past the cap, oldest first
+        self.limit_hits = dict.fromkeys(LIMITS, 0)
+        self.buffered = 0  #: bytes held for unfinished requests, all connections
+        self.max_buffered = limits.max_buffered_bytes
+        self.max_head = limits.max_head_bytes
+        self.max_conns = limits.connection_cap()
+        self.every = min(1.0, max(0.01, min(limits.header_timeout, limits.body_timeout, limits.idle_timeout) / 4))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tick: asyncio.TimerHandle | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._tick = loop.call_later(self.every, self.sweep)
+
+    def stop(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+
+    def admit(self, conn) -> None:
+        """A new connection: within the cap, or one of the reserve (the oldest reserve dropped)."""
+        if len(self.conns) - len(self.reserve) >= self.max_conns:
+            conn.reserve = 1
+            self.reserve.append(conn)
+            if len(self.reserve) > self.limits.reserved_connections:
+                old = self.reserve.popleft()
+                old.reserve = 0
+                self.limit_hits["connections"] += 1
+                if old.transport is not None:
+                    old.transport.close()
+        self.conns.add(conn)
+
+    def drop(self, conn) -> None:
+        """A connection closed."""
+        self.conns.discard(conn)
+        if conn.reserve:
+            try:
+                self.reserve.remove(conn)
+            except ValueError:
+                pass
+
+    def sweep(self) -> None:
+        """Expire the connections past a timeout: a phase (0 idle, 1 head, 2 body, 3 opaque, 4
+        answers unread) and its progress unchanged for that phase's seconds."""
+        now = self._loop.time()
+        lim = self.limits
+        try:
+            for c in list(self.conns):
+                t = c.transport
+                if c.opaque:
+                    key = (3, c.nin)
+                elif c.buf:
+                    key = (2 if c.need else 1, c.nreq)
+                elif t is not None and t.get_write_buffer_size():  # answers the client does not read
+                    key = (4, c.nreq, t.get_write_buffer_size())
+                elif c.proto is not None:
+                    continue  # between requests: aiohttp's keep-alive timeout
+                else:  # before the first request: its head is late
+                    key = (0 if c.nreq else 1, c.nreq)
+                if key != c.seen:
+                    c.seen = key
+                    c.since = now
+                    continue
+                limit = _PHASES[key[0]]
+                if now - c.since >= getattr(lim, limit):
+                    c.expire(limit)
+        finally:
+            self._tick = self._loop.call_later(self.every, self.sweep)
+
+
+def runner_kwargs(limits: HttpConfig, metrics) -> dict:
+    """web.AppRunner's keyword arguments for aiohttp's side of the connections: the idle
+    keep-alive timeout, and the logger that counts what its parser refuses."""
+    return {"keepalive_timeout": limits.idle_timeout, "logger": QuietProtocolLog(metrics)}
 
 
 def auto_max_connections(reserve: int) -> int:

@@ -122,17 +122,17 @@ def render_service_metrics(api) -> bytes:
         out.append("# HELP kvservice_http_limit_hits_total Connections answered 408/413/431/503 or closed at an [http] "
                    "bound, by limit")
         out.append("# TYPE kvservice_http_limit_hits_total counter")
-        for limit, n in site.limit_hits.items():
+        for limit, n in site.bounds.limit_hits.items():
             out.append(f'kvservice_http_limit_hits_total{{limit="{limit}"}} {n}')
         out.append("# HELP kvservice_http_connections Open client connections (of them reserved for health probes: "
                    "kvservice_http_reserve_connections)")
         out.append("# TYPE kvservice_http_connections gauge")
-        out.append(f"kvservice_http_connections {len(site.conns)}")
+        out.append(f"kvservice_http_connections {len(site.bounds.conns)}")
         out.append("# TYPE kvservice_http_reserve_connections gauge")
-        out.append(f"kvservice_http_reserve_connections {len(site.reserve)}")
+        out.append(f"kvservice_http_reserve_connections {len(site.bounds.reserve)}")
         out.append("# HELP kvservice_http_buffered_bytes Bytes held for requests not yet fully received")
         out.append("# TYPE kvservice_http_buffered_bytes gauge")
-        out.append(f"kvservice_http_buffered_bytes {site.buffered}")
+        out.append(f"kvservice_http_buffered_bytes {site.bounds.buffered}")
     proxy = getattr(api, "proxy", None)
     if proxy is not None:
         out.extend(proxy.metric_lines())
