@@ -128,6 +128,8 @@ def render_service_metrics(api) -> bytes:
                    "kvservice_http_reserve_connections)")
         out.append("# TYPE kvservice_http_connections gauge")
         out.append(f"kvservice_http_connections {len(site.bounds.conns)}")
+        out.append("# HELP kvservice_http_reserve_connections Connections admitted past http.max_connections, for "
+                   "GET /healthz and /readyz only")
         out.append("# TYPE kvservice_http_reserve_connections gauge")
         out.append(f"kvservice_http_reserve_connections {len(site.bounds.reserve)}")
         out.append("# HELP kvservice_http_buffered_bytes Bytes held for requests not yet fully received")

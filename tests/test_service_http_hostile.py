@@ -183,3 +183,46 @@ def test_undecodable_bodies_are_400_naming_the_problem_on_every_route(start, fas
             assert status == 400, (path, word, status, answer[:300])
             assert word in json.loads(answer)["error"]["message"], (path, answer[:300])
     assert _metric(svc, "kvservice_internal_errors_total") == 0
+
+
+def test_http_settings_are_validated_with_one_line_naming_the_key(tmp_path):
+    from kvevents.errors import ConfigError
+
+    for http, key in (({"header_timeout": -1}, "http.header_timeout"), ({"max_connections": "many"}, "http.max_connections"),
+                      ({"max_buffered_bytes": 10}, "http.max_buffered_bytes"), ({"bogus": 1}, "http.bogus")):
+        with pytest.raises(ConfigError, match=re.escape(key)) as exc:
+            _cfg(tmp_path, http)
+        assert "\n" not in str(exc.value)
+
+
+def test_expect_100_continue_gets_its_interim_answer_then_the_route_s(start):
+    """A client that waits for ``100 Continue`` before sending its body (curl's large uploads) is
+    not left waiting while the front holds the request."""
+    svc = start({})
+    for path in ("/v1/score", "/v1/explain"):
+        with _connect(svc.url) as s:
+            s.sendall(_post(path, b"").replace(b"Content-Length: 0", b"Content-Length: %d\r\nExpect: 100-continue"
+                                               % len(BODY)))
+            s.settimeout(10)
+            got = s.recv(65536)
+            assert got.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"), got
+            s.sendall(BODY)
+            status, _body = _answer_after_interim(s, got[len(b"HTTP/1.1 100 Continue\r\n\r\n"):])
+            assert status == 200
+
+
+def _answer_after_interim(s: socket.socket, buf: bytes) -> tuple[int, bytes]:
+    """The final answer, past any further ``100 Continue`` (aiohttp may send its own)."""
+    while True:
+        while buf.startswith(b"HTTP/1.1 100 "):
+            if b"\r\n\r\n" not in buf:
+                break
+            buf = buf.split(b"\r\n\r\n", 1)[1]
+        if b"\r\n\r\n" in buf and not buf.startswith(b"HTTP/1.1 100 "):
+            head, rest = buf.split(b"\r\n\r\n", 1)
+            n = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+            if len(rest) >= n:
+                return int(head.split(b" ", 2)[1]), rest[:n]
+        chunk = s.recv(65536)
+        assert chunk, buf
+        buf += chunk
