@@ -8,6 +8,7 @@ poll for the outcome (the deadlines only bound a failure)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
@@ -30,12 +31,13 @@ def _cfg(tmp_path, http: dict, **api) -> object:
                       }).validate()
 
 
-@pytest.fixture
-def start(tmp_path):
+@pytest.fixture(params=["asyncio", "uvloop"])  # uvloop: the service's default loop where installed
+def start(request, tmp_path):
     started = []
+    factory = pytest.importorskip("uvloop").new_event_loop if request.param == "uvloop" else asyncio.new_event_loop
 
     def _start(http: dict, **api) -> InProcessService:
-        s = InProcessService(_cfg(tmp_path, http, **api))
+        s = InProcessService(_cfg(tmp_path, http, **api), loop_factory=factory)
         started.append(s)
         return s
 
@@ -226,3 +228,14 @@ def _answer_after_interim(s: socket.socket, buf: bytes) -> tuple[int, bytes]:
         chunk = s.recv(65536)
         assert chunk, buf
         buf += chunk
+
+
+def test_the_default_connection_cap_leaves_descriptors_for_the_process_and_the_probes(monkeypatch):
+    import resource
+
+    from kvservice import http_limits
+
+    for soft, cap in ((1024, 1024 - 128 - 8), (20000, 20000 - 2500 - 8), (100, 16)):
+        monkeypatch.setattr(http_limits.resource, "getrlimit", lambda _which, s=soft: (s, resource.RLIM_INFINITY))
+        assert http_limits.HttpConfig().connection_cap() == cap
+    assert http_limits.HttpConfig(max_connections=50).connection_cap() == 50
