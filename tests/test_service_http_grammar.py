@@ -126,13 +126,14 @@ def exchange(url: str, raw: bytes, timeout: float = 10.0) -> tuple[int | None, b
             buf += chunk
 
 
-@pytest.fixture(scope="module")
-def svc(tmp_path_factory):
+@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
+def svc(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("grammar")
     cfg = from_dict({"router": {"model": MODEL}, "api": {"port": 0},
                      "subscriber": {"replay_timeout": 0.2},
                      "pods": [{"name": "a", "endpoint": f"ipc://{d}/a.pub"}]}).validate()
-    s = InProcessService(cfg)
+    factory = pytest.importorskip("uvloop").new_event_loop if request.param == "uvloop" else asyncio.new_event_loop
+    s = InProcessService(cfg, loop_factory=factory)
     try:
         yield s
     finally:
@@ -190,3 +191,44 @@ def test_malformed_requests_are_counted_by_status_without_a_traceback(svc, caplo
     assert _metric(svc, "malformed", 400) == before + len(bad)
     noisy = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
     assert not noisy, [r.getMessage() for r in noisy]
+
+
+def test_a_head_broken_early_is_refused_before_it_ends(svc):
+    """Sent in pieces and never finished, a head is refused at its first bad byte (as aiohttp's
+    parser does), not held until the header timeout."""
+    for raw in (b"POST /v1/score HTTP/1.1\r\nHost: x\nX-Pad: a", b"POST /v1/score HTTP/1.1\r\nHost: x\r\nX: a\x00",
+                b"POST /v1/score HTTP/1.1\r\nHost: x\r\nX: a\rb"):
+        host, port = re.match(r"http://([^:]+):(\d+)", svc.url).groups()
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            for i in range(0, len(raw), 3):
+                try:
+                    s.sendall(raw[i:i + 3])
+                except OSError:
+                    break
+            got = b""
+            while True:
+                try:
+                    chunk = s.recv(65536)
+                except ConnectionResetError:
+                    break
+                if not chunk:
+                    break
+                got += chunk
+        assert got.startswith(b"HTTP/1.1 400 "), (raw, got)
+
+
+def test_a_malformed_request_after_a_handed_off_one_is_400_and_counted(svc):
+    """On a connection already handed to aiohttp (its first request was another route), a
+    malformed head is aiohttp's to answer: 400, in order after the first answer, counted."""
+    before = _metric(svc, "malformed", 400)
+    host, port = re.match(r"http://([^:]+):(\d+)", svc.url).groups()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + head(headers=[b"Host: x", b"X: a\x00b", b"Content-Length: 2"]) + b"{}")
+        got = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200 ") and b" 400 Bad Request\r\n" in got.split(b"\r\n\r\n", 1)[1], got
+    assert _metric(svc, "malformed", 400) == before + 1
