@@ -3,6 +3,7 @@
     python benchmarks/chaos.py            # the full run (several minutes)
     python benchmarks/chaos.py --quick    # a smoke run
     python benchmarks/chaos.py --set plane [--quick]   # the event plane's attack set (benchmarks/chaos_plane.py)
+    python benchmarks/chaos.py --set http # the HTTP attacks on the router service (benchmarks/chaos_http.py)
 
 Sections (each row says what was done and what came of it):
 
@@ -367,13 +368,19 @@ def main() -> None:
                     help="run the attacker process at nice 19 and SCHED_BATCH, as a peer on another machine would "
                          "cost this one nothing but its traffic (on a 2-core machine the attacker's own CPU otherwise "
                          "preempts the engine thread: involuntary switches of the caller inside publish())")
-    ap.add_argument("--set", choices=["peers", "plane"], default="peers",
-                    help="plane: attacks on the NATS event plane (benchmarks/chaos_plane.py) instead")
+    ap.add_argument("--set", choices=["core", "plane", "http"], default="core",
+                    help="core: fuzzing, hostile peers, kill -9 (this script); plane: attacks on the NATS event "
+                         "plane (benchmarks/chaos_plane.py); http: attacks on the router service's HTTP front "
+                         "(benchmarks/chaos_http.py)")
     args = ap.parse_args()
     if args.set == "plane":
         from benchmarks import chaos_plane
         figures = chaos_plane.run(args.quick, args.seed)
         sys.exit(1 if figures["silent"] or figures["foreign"] else 0)
+    if args.set == "http":
+        from benchmarks import chaos_http
+
+        return chaos_http.main(["--quick"] * args.quick + [a for w in args.attack for a in ("--attack", w)])
     scale = 0.02 if args.quick else 1.0
     t0 = time.monotonic()
     rows: list[list] = []

@@ -86,6 +86,9 @@ def child(root: str, blocks: int, wall: bool = False) -> None:
                    ("c_all", lambda i: score_json(json_request(bodies[i])[2], None, model=MODEL))]
         if fast is not None:
             stages.append(("route", lambda i: fast("/v1/score", bodies[i])))
+            front = _http_front(api, bodies)
+            if front is not None:
+                stages.append(("http", front))
     if wall:  # the same stages at full speed: min over rounds of the mean per request, microseconds
         out = {}
         for label, fn in stages:
@@ -105,6 +108,50 @@ def child(root: str, blocks: int, wall: bool = False) -> None:
         for i in range(N):
             fn(i)
         reg.stop()
+
+
+class _StubTransport:
+    def write(self, data) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def _http_front(api, bodies):
+    """``FastHttp.data_received`` over whole requests (a wrk-like head + the body) on one
+    keep-alive connection, answers written to a stub transport: the fast path's HTTP reading and
+    framing plus its route (None where the checkout has no kvservice.fasthttp)."""
+    try:
+        from kvservice.fasthttp import FastHttp, FastSite
+    except ImportError:
+        return None
+    import asyncio
+
+    from aiohttp import web
+
+    async def make():
+        runner = web.AppRunner(web.Application())
+        await runner.setup()
+        return FastSite(runner, api, "127.0.0.1", 0)
+
+    site = asyncio.new_event_loop().run_until_complete(make())
+    conn = FastHttp(site)
+    conn.connection_made(_StubTransport())
+    reqs = [b"POST /v1/score HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(b), b) for b in bodies]
+    for i in range(2):  # warm
+        conn.data_received(reqs[i])
+    return lambda i: conn.data_received(reqs[i])
 
 
 def main() -> None:
@@ -139,7 +186,8 @@ def main() -> None:
     names = {"decode": "decode: msgspec ScoreRequest + token_ids_of", "score": "KVRouter.score",
              "answer": "answer: sort + msgspec encode", "all": "all three (the aiohttp route's work)",
              "c_decode": "decode: json_request (C)", "c_score_answer": "score + answer: Scorer.score_json (C)",
-             "c_all": "both (C)", "route": "Api.fast_answer (the fast path's whole route, lock included)"}
+             "c_all": "both (C)", "route": "Api.fast_answer (the fast path's whole route, lock included)",
+             "http": "FastHttp.data_received: HTTP head + route + answer framing (kvservice.fasthttp)"}
     print_table(f"/v1/score outside HTTP, per request: instructions (callgrind, mean of {N} bodies of 4,096 token ids) "
                 f"and wall clock (no valgrind, min over {ROUNDS} rounds of the {N}); {args.root}",
                 ["stage", "instructions", "wall us"],

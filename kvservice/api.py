@@ -6,6 +6,7 @@ unexpected exception is a 500 with that shape (no traceback), counted and logged
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -66,7 +67,7 @@ class Api:
         self.internal_errors = 0
         self.telemetry = None  # kvservice.metrics.Telemetry once the service runs
         self.proxy = None  # kvservice.proxy.Proxy in --proxy mode
-        self.fast_site = None  # kvservice.fasthttp.FastSite when api.fast_path is on
+        self.fast_site = None  # kvservice.fasthttp.FastSite (every connection's front) once serving
         #: /v1/pods' per-pod entry counts (KVRouter.entries_by_pod, O(index)) are reused while the
         #: router's batches/entries/pods are unchanged, or for at most this many seconds under load
         self.pods_cache_s = 1.0
@@ -102,6 +103,9 @@ class Api:
                 resp = error_response(400, str(exc), None)
             status = resp.status
             return resp
+        except asyncio.CancelledError:  # the client hung up: its own abort (499), not the server's 500
+            status = 499
+            raise
         except Exception:  # noqa: BLE001 — never a traceback to the client
             self.internal_errors += 1
             log.exception("internal error on %s %s (counted)", request.method, request.path)

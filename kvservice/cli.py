@@ -142,16 +142,17 @@ async def _serve(cfg: ServiceConfig, stop: asyncio.Event, announce, fleet, token
         app = build_app(fleet, token=token, tokenizer=tokenizer, proxy=proxy)
         api = app[API_KEY]
         api.telemetry = Telemetry(fleet)
-        # a client hanging up cancels its proxied request (and so the pod's work on it)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5, handler_cancellation=proxy is not None)
+        from .fasthttp import FastSite
+        from .http_limits import runner_kwargs
+
+        # every connection starts on kvservice.fasthttp (the [http] bounds); api.fast_path: it
+        # answers the hot routes itself. A client hanging up cancels its proxied request (and so
+        # the pod's work on it).
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5, handler_cancellation=proxy is not None,
+                               **runner_kwargs(cfg.http, api.metrics))
         await runner.setup()
         try:
-            if cfg.api.fast_path:
-                from .fasthttp import FastSite
-
-                site = api.fast_site = FastSite(runner, api, cfg.api.host, cfg.api.port)
-            else:
-                site = web.TCPSite(runner, cfg.api.host, cfg.api.port)
+            site = api.fast_site = FastSite(runner, api, cfg.api.host, cfg.api.port, fast=cfg.api.fast_path)
             try:
                 await site.start()
             except OSError as exc:

@@ -60,6 +60,7 @@ from consumers import RouterConfig
 from kvevents.endpoints import offset_endpoint, validate_endpoint
 from kvevents.errors import ConfigError, EndpointError
 
+from .http_limits import HttpConfig
 from .proxy_config import ProxyConfig, proxy_section
 
 __all__ = ["ApiConfig", "PodConfig", "ServiceConfig", "SubscriberConfig", "load_config"]
@@ -130,6 +131,7 @@ class ServiceConfig:
     api: ApiConfig = field(default_factory=ApiConfig)
     subscriber: SubscriberConfig = field(default_factory=SubscriberConfig)
     pods: list[PodConfig] = field(default_factory=list)
+    http: HttpConfig = field(default_factory=HttpConfig)  #: [http]: every connection's bounds (http_limits.py)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
 
     def router_config(self) -> RouterConfig:
@@ -234,6 +236,7 @@ class ServiceConfig:
         v = self.subscriber.poll_interval
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
             raise ConfigError(f"subscriber.poll_interval must be seconds in [0, 1], got {v!r}")
+        self.http.validate()
         self.router_config()
         return self
 
@@ -282,7 +285,7 @@ def from_dict(data: dict) -> ServiceConfig:
     """A ServiceConfig from parsed TOML/YAML (not yet validated: :meth:`ServiceConfig.validate`)."""
     if not isinstance(data, dict):
         raise ConfigError("the config must be a table at the top level")
-    known = ("router", "api", "subscriber", "pods", "proxy")
+    known = ("router", "api", "subscriber", "pods", "http", "proxy")
     for k in data:
         if k not in known:
             raise ConfigError(f"{k}: unknown key (known: {', '.join(known)})")
@@ -302,6 +305,7 @@ def from_dict(data: dict) -> ServiceConfig:
         api=_section(ApiConfig, data.get("api", {}), "api"),
         subscriber=_section(SubscriberConfig, data.get("subscriber", {}), "subscriber"),
         pods=[_section(PodConfig, p, f"pods[{i}]") for i, p in enumerate(pods)],
+        http=_section(HttpConfig, data.get("http", {}), "http"),
         proxy=proxy_section(data.get("proxy", {})),
     )
 

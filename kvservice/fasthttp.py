@@ -1,5 +1,6 @@
-"""A lean HTTP/1.1 front for the two hot routes (``POST /v1/score``, ``POST /v1/pick``), with
-everything else handed to aiohttp on the same connection.
+"""The HTTP front of every client connection: a lean HTTP/1.1 reader that answers the two hot
+routes (``POST /v1/score``, ``POST /v1/pick``) itself, frames every other request and hands it to
+aiohttp on the same connection, and bounds every connection (``[http]``, docs/http-limits.md).
 
 Why: aiohttp costs ~70 us of the one event loop per request on this machine (request object,
 header multidict, router, middleware, response object, stream writer) where the score itself
@@ -9,42 +10,90 @@ itself, synchronously, in one ``transport.write``:
 
 * ``POST /v1/score`` or ``/v1/pick``, ``HTTP/1.1``, one ``Content-Length`` within
   ``api.max_body_bytes``, no ``Transfer-Encoding``/``Expect``/``Upgrade``, ``Connection``
-  absent, keep-alive or close (answered, then closed), a JSON (or octet-stream, or no) content type, the bearer token when
-  one is required, and a body the API answers without awaiting anything (``token_ids``, not
-  ``prompt``/``messages``, which need the tokenizer).
+  absent, keep-alive or close (answered, then closed), a JSON (or octet-stream, or no) content
+  type, the bearer token when one is required, and a body the API answers without awaiting
+  anything (``token_ids``, not ``prompt``/``messages``, which need the tokenizer).
 
-Anything else — another route, HTTP/1.0, a chunked body, a wrong token, a body that fails to
-decode or validate, a prompt to tokenize, an over-long head — is **handed off**: the connection
-is given to aiohttp's own protocol (``transport.set_protocol``) together with the bytes of the
-request and whatever followed it, so aiohttp parses them from the start and answers exactly as
-it always did (the 401, 413, 415 and 4xx error JSON, the async tokenizer, the proxy routes).
-A connection handed off stays with aiohttp. Answers already written come first (they were
-written synchronously, before the hand-off), so pipelined requests keep their order.
+**One grammar.** Every request head is checked against what aiohttp's own parser (llhttp,
+strict) accepts, before anything is answered: CR and LF only as CRLF, no control character but
+HTAB, header names that are tokens, exactly one ``Host`` (HTTP/1.1), one decimal
+``Content-Length``, not both it and ``Transfer-Encoding``. A head that breaks one of these rules
+is answered 400 here, naming the rule (counted under route ``malformed``; aiohttp refuses the
+same bytes: ``tests/test_service_http_grammar.py`` feeds both the same corpus). A head this
+reader cannot vouch for (another HTTP version, a chunked or upgraded request, ``Expect``...)
+goes to aiohttp unread, and the connection stays with aiohttp's parser ("opaque").
+
+**Hand-off.** Anything else — another route, a wrong token, a body that fails to decode or
+validate, a prompt to tokenize — is given to aiohttp's protocol (one per connection, made on the
+first hand-off) as the complete request bytes, after this reader has received them all; the
+connection keeps this protocol in front (the transport's protocol), which frames each later
+request the same way and forwards it whole. Answers already written come first (they were
+written synchronously, before the hand-off), so pipelined requests keep their order; once a
+connection has handed a request off, every later request on it goes to aiohttp too.
+
+**Bounds** (:class:`kvservice.http_limits.HttpConfig`): the head within ``header_timeout`` of
+its first byte, the body within ``body_timeout`` of the head, ``idle_timeout`` between requests
+(aiohttp's keepalive_timeout once handed off; an opaque connection: without a byte from the
+client), at most ``max_connections`` open (past it, ``reserved_connections`` more for
+``GET /healthz``/``/readyz`` only, the oldest dropped first), at most ``max_buffered_bytes``
+held for unfinished requests across all connections, a head within ``max_head_bytes``, a body
+within ``api.max_body_bytes``. Each hit is counted (``kvservice_http_limit_hits_total{limit}``)
+and answered 408/413/431/503 where nothing else is pending on the connection, else closed. The
+timeouts are kept by one sweep over the connections (a few per timeout; the hot path only bumps
+a request count). A client that does not read its answers pauses reading (asyncio flow control).
 
 Counted like aiohttp's answers: ``kvservice_http_requests_total{route,method,status}`` and the
-latency histogram by route (:class:`kvservice.metrics.HttpMetrics`), from the same clock
-points (route handling only, not the socket). Bounds: a head is at most ``MAX_HEAD`` bytes and
-a body at most ``max_body_bytes`` (else hand-off, where aiohttp answers 413/431); a client that
-does not read its answers pauses reading once the transport's write buffer is over its high
-water mark (asyncio flow control), so nothing grows without bound.
-
-Runs on the event-loop thread only (like every aiohttp handler).
+latency histogram by route (:class:`kvservice.metrics.HttpMetrics`). Runs on the event-loop
+thread only (like every aiohttp handler).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import time
 from email.utils import formatdate
 
 from aiohttp import web
 
-__all__ = ["FastHttp", "FastSite", "MAX_HEAD"]
+from .http_limits import Bounds, HttpConfig
+from .schema import error_body
 
-#: the most bytes of request line + headers read before giving the connection to aiohttp
-MAX_HEAD = 8192
+__all__ = ["FastHttp", "FastSite"]
+
 _OK_TYPES = frozenset({b"application/json", b"application/octet-stream", b""})
+#: bytes a head may hold: HTAB, CR, LF (as CRLF, checked apart), visible ASCII, SP, obs-text
+_TEXT = bytes([9, 10, 13, *range(0x20, 0x7F), *range(0x80, 0x100)])
+_PROBES = (b"/healthz", b"/readyz")
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large", 431: "Request Header Fields Too Large",
+            503: "Service Unavailable"}
+_BROKEN = "a bare CR or LF, or a control character, in the request head"
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+#: the common shape of a head (without its blank line), every rule of the grammar in one match:
+#: method, origin-form target, version, and the header lines (each CRLF-led: a token name, ':',
+#: a value of HTAB, visible ASCII, SP and obs-text)
+_HEAD = re.compile(rb"([A-Z]+) (/[\x21-\x7e]*) (HTTP/1\.[01])((?:\r\n" + _TOKEN + rb":[\t\x20-\x7e\x80-\xff]*)*)")
+_NAME = re.compile(_TOKEN)
+
+
+def _misfit(head: bytes) -> str | None:
+    """Why a head off :data:`_HEAD`'s shape is refused (aiohttp's parser refuses it too), or None:
+    aiohttp's parser is to judge it (another request-line form)."""
+    if _broken(head):
+        return _BROKEN
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, _value = line.partition(b":")
+        if not sep or not _NAME.fullmatch(name):
+            return "a malformed header line (no ':', or whitespace or a separator in the name, or a folded line)"
+    return None
+
+
+def _broken(part) -> bool:
+    """Part of a head, from a line's start or a pending CR: a control character but HTAB, or a
+    CR/LF not in a CRLF (a CR at the end may still get its LF)."""
+    crlf = part.count(b"\r\n")
+    return bool(part.translate(None, _TEXT)) or part.count(b"\n") != crlf or part.count(b"\r") - crlf > part.endswith(b"\r")
 
 
 class _Date:
@@ -65,9 +114,10 @@ class _Date:
 
 
 class FastHttp(asyncio.Protocol):
-    """One client connection: hot routes answered here, the rest handed to aiohttp."""
+    """One client connection: hot routes answered here, the rest framed and handed to aiohttp."""
 
-    __slots__ = ("site", "transport", "buf", "need", "paused", "handed")
+    __slots__ = ("site", "transport", "buf", "need", "paused", "proto", "opaque", "nreq", "nin", "held",
+                 "reserve", "seen", "since", "cont")
 
     def __init__(self, site: "FastSite") -> None:
         self.site = site
@@ -75,24 +125,39 @@ class FastHttp(asyncio.Protocol):
         self.buf = bytearray()
         self.need = 0  #: bytes ``buf`` must hold before parsing again (a body still arriving)
         self.paused = False
-        self.handed = False
+        self.proto = None  #: aiohttp's protocol, once a request was handed off
+        self.opaque = False  #: aiohttp parses this connection's bytes itself from here on
+        self.nreq = 0  #: requests received whole (the sweep's sign of progress)
+        self.nin = 0  #: bytes received while opaque (idem)
+        self.held = 0  #: bytes of an unfinished request counted in ``site.buffered``
+        self.reserve = 0  #: 1: admitted past the cap, for a health probe; 2: its probe arrived
+        self.seen = None  #: (phase, progress) at the last sweep that saw it change
+        self.since = 0.0
+        self.cont = -1  #: ``nreq`` when "100 Continue" was last written (Expect: 100-continue)
 
     # ---- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.site.conns.add(self)
+        self.site.bounds.admit(self)
 
     def connection_lost(self, exc) -> None:
-        self.site.conns.discard(self)
+        self.site.bounds.drop(self)
+        self._hold(0)
         self.transport = None
+        if self.proto is not None:
+            self.proto.connection_lost(exc)
 
     def pause_writing(self) -> None:  # the client does not read: stop reading its requests
-        if not self.paused and self.transport is not None:
+        if self.proto is not None:
+            self.proto.pause_writing()
+        elif not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.paused and self.transport is not None:
+        if self.proto is not None:
+            self.proto.resume_writing()
+        elif self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
 
@@ -100,43 +165,56 @@ class FastHttp(asyncio.Protocol):
         return False  # close; a request cut short is not answered (nothing to answer it with)
 
     def data_received(self, data: bytes) -> None:
+        if self.opaque:
+            self.nin += len(data)
+            return self.proto.data_received(data)
         buf = self.buf
         if buf:
             buf += data
             if len(buf) < self.need:
-                return
+                return self._hold(len(buf))
+            old = len(buf) - len(data)
+            if not self.need and buf.find(b"\r\n\r\n", max(0, old - 3)) < 0:
+                return self._more_head(old)
             data = bytes(buf)
             buf.clear()
         self.need = 0
         n = len(data)
         pos = 0
         site = self.site
+        cap = site.max_head
         while pos < n:
-            he = data.find(b"\r\n\r\n", pos, pos + MAX_HEAD + 4)
+            he = data.find(b"\r\n\r\n", pos, pos + cap + 4)
             if he < 0:
-                if n - pos > MAX_HEAD:
-                    return self._handoff(data[pos:])
+                if n - pos > cap:
+                    return self._refuse(431, "head_too_large", f"the request head is over http.max_head_bytes ({cap})")
+                if _broken(data[pos:]):
+                    return self._bad(data, pos, _BROKEN)
                 break
-            le = data.find(b"\r\n", pos, he + 2)
-            parts = data[pos:le].split(b" ")
-            route = site.routes.get(parts[1]) if len(parts) == 3 else None
-            if route is None or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
-                return self._handoff(data[pos:])
+            m = _HEAD.fullmatch(data, pos, he)
+            if m is None:  # off the common shape: a rule broken (400), or for aiohttp's parser to judge
+                why = _misfit(data[pos:he])
+                return self._bad(data, pos, why) if why else self._opaque(data[pos:])
+            method, target, version, block = m.groups()
             length = -1
+            hosts = 0
             ctype = b""
             auth = None
             close = False
-            for line in data[le + 2:he].split(b"\r\n"):
-                name, sep, value = line.partition(b":")
+            fast = True
+            chunked = unsure = expect = False
+            lines = block.split(b"\r\n")
+            for i in range(1, len(lines)):  # lines[0] is empty (the block starts with CRLF)
+                name, _, value = lines[i].partition(b":")
                 name = name.lower()
-                if not sep or name != name.strip() or not name:
-                    return self._handoff(data[pos:])  # obs-fold, a space before ':', no ':'
-                value = value.strip()
+                value = value.strip(b" \t")
                 if name == b"content-length":
                     # at most 18 digits: int() refuses over 4,300, and no body is that long
                     if length >= 0 or not value.isdigit() or len(value) > 18:
-                        return self._handoff(data[pos:])
+                        return self._bad(data, pos, "Content-Length must be given once, as a decimal number")
                     length = int(value)
+                elif name == b"host":
+                    hosts += 1
                 elif name == b"content-type":
                     ctype = value
                 elif name == b"authorization":
@@ -146,64 +224,169 @@ class FastHttp(asyncio.Protocol):
                     if value == b"close":
                         close = True
                     elif value != b"keep-alive":
-                        return self._handoff(data[pos:])
-                elif name in (b"transfer-encoding", b"expect", b"upgrade"):
-                    return self._handoff(data[pos:])
-            if length < 0 or length > site.max_body:
-                return self._handoff(data[pos:])
-            if ctype and ctype.partition(b";")[0].strip().lower() not in _OK_TYPES:
-                return self._handoff(data[pos:])
-            token = site.token
-            if token is not None and not (auth is not None and auth.startswith(b"Bearer ")
-                                          and hmac.compare_digest(auth[7:].strip(), token)):
-                return self._handoff(data[pos:])
-            end = he + 4 + length
+                        fast = False
+                elif name == b"transfer-encoding":
+                    chunked = True
+                elif name == b"expect":  # aiohttp answers it (417 unless 100-continue)
+                    fast = False
+                    expect = value.lower() == b"100-continue"
+                elif name == b"upgrade":
+                    unsure = True
+            if hosts != 1:
+                if version == b"HTTP/1.1":
+                    return self._bad(data, pos, "an HTTP/1.1 request needs exactly one Host header")
+                unsure = True
+            if chunked:
+                if length >= 0:
+                    return self._bad(data, pos, "Content-Length and Transfer-Encoding together")
+                unsure = True
+            if unsure:
+                return self._opaque(data[pos:])
+            if self.reserve:
+                if self.reserve == 2 or method != b"GET" or target.partition(b"?")[0] not in _PROBES:
+                    return self._refuse(503, "connections", "the server is at its connection limit "
+                                        "(http.max_connections): only GET /healthz and /readyz are answered")
+                self.reserve = 2
+            if length > site.max_body:
+                return self._refuse(413, "body_too_large", f"the request body is over the limit of {site.max_body} bytes")
+            end = he + 4 + (length if length > 0 else 0)
             if end > n:
                 self.need = end - pos
+                if expect and self.proto is None and self.cont != self.nreq:  # nothing else pending
+                    self.cont = self.nreq
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 break
-            answer = site.answer(route, memoryview(data)[he + 4:end], close)  # the body, not copied
-            if answer is None:
-                return self._handoff(data[pos:])
-            self.transport.write(answer)
-            if close:
-                self.transport.close()  # after the answer is flushed; what followed is not read
-                return
+            self.nreq += 1
+            route = site.routes.get(target) if fast and self.proto is None else None
+            if route is not None and method == b"POST" and version == b"HTTP/1.1" and (
+                    not ctype or ctype.partition(b";")[0].strip().lower() in _OK_TYPES):
+                token = site.token
+                if token is None or (auth is not None and auth.startswith(b"Bearer ")
+                                     and hmac.compare_digest(auth[7:].strip(), token)):
+                    answer = site.answer(route, memoryview(data)[he + 4:end], close)  # the body, not copied
+                    if answer is not None:
+                        self.transport.write(answer)
+                        if close:
+                            self.transport.close()  # after the answer is flushed; what followed is not read
+                            return self._hold(0)
+                        pos = end
+                        continue
+            self._aio().data_received(data[pos:end])
             pos = end
         if pos < n:
             buf += data[pos:] if pos else data
+            self._hold(len(buf))
+        elif self.held:
+            self._hold(0)
+
+    def _more_head(self, old: int) -> None:
+        """More of a head still incomplete (``buf[old:]`` new): refused as soon as it breaks the
+        grammar or the size cap (aiohttp's parser stops at the first bad byte too), else held."""
+        buf = self.buf
+        if len(buf) > self.site.max_head:
+            return self._refuse(431, "head_too_large", f"the request head is over http.max_head_bytes "
+                                f"({self.site.max_head})")
+        if _broken(buf[old - 1 if old and buf[old - 1] == 13 else old:]):  # a CR left pending: judged now
+            return self._bad(bytes(buf), 0, _BROKEN)
+        self._hold(len(buf))
 
     # ---- hand-off ----------------------------------------------------------------------------
-    def _handoff(self, rest: bytes) -> None:
-        """Give the connection, and ``rest`` (this request onwards), to aiohttp's protocol."""
-        t = self.transport
+    def _aio(self):
+        """aiohttp's protocol for this connection (made on the first hand-off)."""
+        proto = self.proto
+        if proto is None:
+            site = self.site
+            site.handoffs += 1
+            proto = self.proto = site.slow()
+            proto.connection_made(self.transport)
+            if self.paused:  # aiohttp's writer now waits for the client instead
+                self.paused = False
+                self.transport.resume_reading()
+                proto.pause_writing()
+        return proto
+
+    def _opaque(self, rest: bytes) -> None:
+        """Give this request onwards to aiohttp's parser, for the rest of the connection."""
         self.buf.clear()
-        self.handed = True
-        self.site.conns.discard(self)
-        self.site.handoffs += 1
+        self._hold(0)
+        if self.transport is None or self.transport.is_closing():
+            return
+        proto = self._aio()
+        self.opaque = True
+        self.nin = len(rest)
+        proto.data_received(rest)
+
+    def _bad(self, data: bytes, pos: int, message: str) -> None:
+        """A head aiohttp's parser refuses too: answered 400 here (nothing else pending), else
+        given to aiohttp to answer in order."""
+        if self.proto is not None:
+            return self._opaque(data[pos:])
+        self.site.api.metrics.observe("malformed", "-", 400, 0.0)
+        self._answer_close(400, message, "malformed_request")
+        self.buf.clear()
+        self._hold(0)
+
+    def _refuse(self, status: int, limit: str, message: str) -> None:
+        """A limit hit: counted; answered ``status`` when nothing else is pending, and closed."""
+        site = self.site
+        site.bounds.limit_hits[limit] += 1
+        site.api.metrics.observe("limit", "-", status, 0.0)
+        if self.proto is None:
+            self._answer_close(status, message, "limit_" + limit)
+        elif self.transport is not None:
+            self.transport.close()
+        self.buf.clear()
+        self._hold(0)
+
+    def _answer_close(self, status: int, message: str, kind: str) -> None:
+        t = self.transport
         if t is None or t.is_closing():
             return
-        if self.paused:
-            self.paused = False
-            t.resume_reading()
-        proto = self.site.slow()
-        t.set_protocol(proto)
-        proto.connection_made(t)
-        if rest:
-            proto.data_received(rest)
+        body = error_body(status, message, None, kind)
+        t.write(b"".join((f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json; charset=utf-8\r\n"
+                          f"Content-Length: {len(body)}\r\nConnection: close\r\n".encode(), b"Date: ",
+                          self.site._date.get(), b"\r\nServer: kvevents\r\n\r\n", body)))
+        t.close()
+
+    def _hold(self, n: int) -> None:
+        """Count ``n`` bytes of an unfinished request as held (``http.max_buffered_bytes``)."""
+        bounds = self.site.bounds
+        bounds.buffered += n - self.held
+        self.held = n
+        if n and bounds.buffered > bounds.max_buffered:
+            self._refuse(503, "buffered_bytes", "the server holds too many bytes of unfinished requests "
+                         "(http.max_buffered_bytes): retry later")
+
+    def expire(self, limit: str) -> None:
+        """A timeout (the sweep): 408 for a request cut short when nothing else is pending, else
+        closed."""
+        if limit == "idle_timeout" or self.proto is not None:
+            self.site.bounds.limit_hits[limit] += 1
+            self.buf.clear()
+            self._hold(0)
+            if self.transport is not None:
+                self.transport.close()
+            return
+        self._refuse(408, limit, f"the request was not received within http.{limit} "
+                     f"({getattr(self.site.bounds.limits, limit)} s)")
 
 
 class FastSite(web.TCPSite):
     """A TCPSite whose connections start on :class:`FastHttp`; ``api`` (a
-    :class:`kvservice.api.Api`) answers the hot routes via :meth:`Api.fast_answer`."""
+    :class:`kvservice.api.Api`) answers the hot routes via :meth:`Api.fast_answer` (``fast``
+    False: every request goes to aiohttp, the bounds still apply)."""
 
-    def __init__(self, runner: web.AppRunner, api, host: str | None, port: int | None, **kw) -> None:
+    def __init__(self, runner: web.AppRunner, api, host: str | None, port: int | None, *, fast: bool = True,
+                 **kw) -> None:
         super().__init__(runner, host, port, **kw)
         self.api = api
-        self.conns: set[FastHttp] = set()
+        cfg = api.fleet.cfg
+        self.bounds = Bounds(getattr(cfg, "http", None) or HttpConfig())  #: the connections and their limits
         self.handoffs = 0  #: connections given to aiohttp (another route, an error, a prompt...)
-        self.max_body = api.fleet.cfg.api.max_body_bytes
+        self.max_body = cfg.api.max_body_bytes
+        self.max_head = self.bounds.max_head
         self.token = api.token.encode() if api.token is not None else None
-        self.routes = {b"/v1/score": "/v1/score", b"/v1/pick": "/v1/pick"}
+        self.routes = {b"/v1/score": "/v1/score", b"/v1/pick": "/v1/pick"} if fast else {}
         self.slow = None  # aiohttp's protocol factory (web.Server), set by start()
         self._date = _Date()
 
@@ -215,13 +398,14 @@ class FastSite(web.TCPSite):
                                                 backlog=self._backlog, reuse_address=self._reuse_address,
                                                 reuse_port=self._reuse_port)
         self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
+        self.bounds.start(loop)
 
     async def stop(self) -> None:
+        self.bounds.stop()
         await super().stop()
-        for c in list(self.conns):  # aiohttp closes the handed-off ones itself
-            if c.transport is not None:
+        for c in list(self.bounds.conns):  # aiohttp closes the handed-off ones itself
+            if c.transport is not None and c.proto is None:
                 c.transport.close()
-        self.conns.clear()
 
     def answer(self, route: str, body: bytes | memoryview, close: bool = False) -> bytes | None:
         """The whole HTTP answer for a hot route, or None to hand the request to aiohttp."""

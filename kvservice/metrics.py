@@ -8,6 +8,10 @@ plus the service's own series, kept as plain ints and rendered here:
   ``kvservice_pod_down{pod}`` (proxy mode)
 * ``kvservice_ready``, ``kvservice_internal_errors_total``, ``kvservice_ingest_errors_total``
 * ``kvservice_http_handoffs_total`` — connections the fast path (kvservice.fasthttp) gave to aiohttp
+* ``kvservice_http_limit_hits_total{limit}`` — the ``[http]`` bounds hit (timeouts, connection cap,
+  buffered bytes, head/body size), ``kvservice_http_connections``, ``kvservice_http_buffered_bytes``
+* requests refused as malformed (a head breaking HTTP/1.1's grammar) are in
+  ``kvservice_http_requests_total`` under ``route="malformed"``; limit answers under ``route="limit"``
 """
 
 from __future__ import annotations
@@ -115,6 +119,22 @@ def render_service_metrics(api) -> bytes:
                    "an error to answer, a prompt to tokenize...)")
         out.append("# TYPE kvservice_http_handoffs_total counter")
         out.append(f"kvservice_http_handoffs_total {site.handoffs}")
+        out.append("# HELP kvservice_http_limit_hits_total Connections answered 408/413/431/503 or closed at an [http] "
+                   "bound, by limit")
+        out.append("# TYPE kvservice_http_limit_hits_total counter")
+        for limit, n in site.bounds.limit_hits.items():
+            out.append(f'kvservice_http_limit_hits_total{{limit="{limit}"}} {n}')
+        out.append("# HELP kvservice_http_connections Open client connections (of them reserved for health probes: "
+                   "kvservice_http_reserve_connections)")
+        out.append("# TYPE kvservice_http_connections gauge")
+        out.append(f"kvservice_http_connections {len(site.bounds.conns)}")
+        out.append("# HELP kvservice_http_reserve_connections Connections admitted past http.max_connections, for "
+                   "GET /healthz and /readyz only")
+        out.append("# TYPE kvservice_http_reserve_connections gauge")
+        out.append(f"kvservice_http_reserve_connections {len(site.bounds.reserve)}")
+        out.append("# HELP kvservice_http_buffered_bytes Bytes held for requests not yet fully received")
+        out.append("# TYPE kvservice_http_buffered_bytes gauge")
+        out.append(f"kvservice_http_buffered_bytes {site.bounds.buffered}")
     proxy = getattr(api, "proxy", None)
     if proxy is not None:
         out.extend(proxy.metric_lines())

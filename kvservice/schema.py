@@ -10,7 +10,7 @@ import msgspec
 
 from consumers.keys import json_tokens
 
-__all__ = ["ApiError", "ChatMessage", "ScoreRequest", "decode", "error_body", "token_ids_of"]
+__all__ = ["ApiError", "BadRequest", "ChatMessage", "ScoreRequest", "decode", "error_body", "token_ids_of"]
 
 
 class ApiError(Exception):
@@ -21,6 +21,14 @@ class ApiError(Exception):
         self.status = status
         self.field = field
         self.kind = kind
+
+
+class BadRequest(ApiError):
+    """A malformed request body (a 4xx naming what was wrong): what :func:`decode` and
+    :func:`token_ids_of` raise for every input they refuse — not JSON, not UTF-8, nested past the
+    decoder's depth, a wrong type or value (``field`` names it) — never the decoder's own
+    exception. Same signature as :class:`ApiError` (``status``, ``message``, ``field``, ``kind``),
+    caught where ApiError is."""
 
 
 #: a token id: validated in msgspec's decoder (C), not by a Python loop over 4,096 ints
@@ -67,15 +75,18 @@ def token_ids_of(req: ScoreRequest) -> "array | list[int] | None":
     except msgspec.ValidationError as exc:
         m = _PATH.search(str(exc))
         return _raise(str(exc).replace("`$", "`$.token_ids"), "token_ids" + (m.group(1) if m else ""))
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise _undecodable(exc, "token_ids") from None
 
 
 _PATH = re.compile(r" - at `\$(.*)`$")
 
 
 def decode(body: bytes, kind: type) -> object:
-    """Decode and validate a JSON body; ApiError(400) naming the field otherwise."""
+    """Decode and validate a JSON body (``kind``: a Struct, or ``dict``/``object`` for any JSON
+    object/value); :class:`BadRequest` (400) naming the problem and the field otherwise."""
     if not body:
-        raise ApiError(400, "the request body is empty: send a JSON object", None)
+        raise BadRequest(400, "the request body is empty: send a JSON object", None)
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
@@ -87,12 +98,22 @@ def decode(body: bytes, kind: type) -> object:
             if u:
                 field = u.group(1)
         return _raise(msg, field)
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", None) from None
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise _undecodable(exc, None) from None
+
+
+def _undecodable(exc: Exception, field: str | None) -> BadRequest:
+    """The BadRequest for what the JSON decoder raises (not JSON, too deep, not UTF-8)."""
+    if isinstance(exc, RecursionError):
+        return BadRequest(400, "the request body nests arrays/objects too deeply for the JSON decoder", field)
+    if isinstance(exc, UnicodeDecodeError):
+        return BadRequest(400, f"the request body is not valid UTF-8 (byte {exc.object[exc.start]:#04x} at "
+                          f"offset {exc.start} of a string)", field)
+    return BadRequest(400, f"the request body is not valid JSON: {exc}", field)
 
 
 def _raise(msg: str, field: str | None):
-    raise ApiError(400, msg, field or None)
+    raise BadRequest(400, msg, field or None)
 
 
 def error_body(status: int, message: str, field: str | None = None, kind: str = "invalid_request") -> bytes:

@@ -39,7 +39,7 @@ from kvevents import BlockRemoved, BlockStored, KVEventBatch
 from kvservice.api import Api
 from kvservice.config import from_dict
 from kvservice.ingest import Fleet
-from kvservice.schema import ScoreRequest, decode, token_ids_of
+from kvservice.schema import ApiError, ScoreRequest, decode, token_ids_of
 
 def answers(spec):
     d = tempfile.mkdtemp(prefix="kv-edges-")  # the fleet's subscriber connects; nothing publishes
@@ -69,8 +69,8 @@ def _answers(spec, fleet):
                 tids = token_ids_of(req)
                 asyncio.run(api.tokens_of(req, api.model_of(req), tids))
             out.append(ans.decode())
-        except Exception as exc:  # the error the API answers (ApiError: status and field)
-            out.append([type(exc).__name__, getattr(exc, "status", None), getattr(exc, "field", None)])
+        except Exception as exc:  # the error the API answers (ApiError, BadRequest among them: status and field)
+            out.append(["ApiError" if isinstance(exc, ApiError) else type(exc).__name__, getattr(exc, "status", None), getattr(exc, "field", None)])
     return out
 
 if __name__ == "__main__":
