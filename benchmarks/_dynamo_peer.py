@@ -106,6 +106,7 @@ class DynamoPeer:
     """The child process; ``call(op, **args)`` sends one command and returns its reply."""
 
     def __init__(self, python: str) -> None:
+        self.python = python
         rfd, wfd = os.pipe()
         self._proc = subprocess.Popen([python, os.path.abspath(__file__), "serve", str(wfd)],
                                       stdin=subprocess.PIPE, text=True, pass_fds=(wfd,))

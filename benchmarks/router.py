@@ -2,6 +2,7 @@
 
     python benchmarks/router.py            # full size (1M indexed blocks)
     python benchmarks/router.py --quick    # small, for a smoke run
+    python benchmarks/router.py --dynamo-python DIR/dynamo/bin/python   # the peer from elsewhere
 
 Runs on one core (the process pins itself to CPU 0 where it can). Ingest is
 ``KVRouter.apply_payload`` (payload bytes in, the C fast path where it is built); the table
@@ -14,8 +15,11 @@ Peer: NVIDIA Dynamo's ``RadixTree`` (``dynamo._core``, runtime 1.6.1 from
 (``--dynamo-python PATH``, else ``$KVEVENTS_DYNAMO_PY``, else ``../peers/dynamo/bin/python``;
 absent: its cells say "skipped: not installed"), pinned to the same core, fed the same events
 converted to its JSON form (``benchmarks/_dynamo_peer.py`` says how), its rounds interleaved
-with ours. Before any figure is printed both sides must agree on the match length of every
-(pod, tier) for a sample of prompts; a mismatch stops the run.
+with ours (a fresh child for the index, so its RSS growth is its own). Before the score and
+memory figures are printed both sides must agree on the match length of every (pod, tier) for a
+sample of prompts (the ingest rounds' events go through the same conversion); a mismatch stops
+the run. Memory: ours by tracemalloc, Dynamo's Rust heap by glibc's ``malloc_info`` over every
+arena (bytes in use), and both as RSS growth while the index is built.
 """
 
 from __future__ import annotations
@@ -283,17 +287,19 @@ def main() -> None:
     args = ap.parse_args()
     where = pin_one_core()  # before the peer starts: it inherits the core
     peer, peer_note = start_peer(args.dynamo_python)
+    slot = {"peer": peer}  # run() swaps in a fresh peer process for the index
     try:
         with tempfile.TemporaryDirectory(prefix="kvrouter-bench-") as tmp:
-            run(args, where, peer, peer_note, tmp)
+            run(args, where, slot, peer_note, tmp)
     finally:
-        if peer is not None:
-            peer.close()
+        if slot["peer"] is not None:
+            slot["peer"].close()
     if any(m == "dynamo" or m.startswith("dynamo.") for m in sys.modules):
         raise SystemExit("this process imported dynamo: the peer must run in its own interpreter only")
 
 
-def run(args, where, peer, peer_note, tmp) -> None:
+def run(args, where, slot, peer_note, tmp) -> None:
+    peer = slot["peer"]
     rnd = random.Random(7)
     n_blocks = args.blocks or (65_536 if args.quick else 1 << 20)
     print(f"# router benchmark ({where}; {n_blocks} indexed blocks, 64 pods; load average "
@@ -323,7 +329,10 @@ def run(args, where, peer, peer_note, tmp) -> None:
     docs = make_docs(rnd, n_blocks)
     seed = rnd.getrandbits(32)
     prompts = make_prompts(docs, rnd, args.queries or (400 if args.quick else 2000))
-    if peer is not None:  # the same events and prompts, written before anything is measured
+    if peer is not None:  # a fresh process for the index (its RSS not reused from the ingest rounds' trees);
+        peer.close()  # the same events and prompts, written before anything is measured
+        slot["peer"] = None
+        peer = slot["peer"] = dyn.DynamoPeer(peer.python)
         feed = dyn.Feed(os.path.join(tmp, "index.bin"))
         for p, batch in index_batches(docs, 64, random.Random(seed)):
             feed.add(p, batch)
