@@ -271,11 +271,6 @@ def start_peer(flag):
     return peer, f"ai-dynamo-runtime {peer.hello['version']} ({python})"
 
 
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -339,7 +334,7 @@ def run(args, where, slot, peer_note, tmp) -> None:
         peer.call("prompts", path=dyn.write_prompts(os.path.join(tmp, "prompts.bin"), prompts))
         built = peer.call("build", path=feed.close())
     gc.collect()
-    rss0 = rss()
+    rss0 = dyn.rss(trim=True)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     t = time.process_time()
@@ -348,7 +343,7 @@ def run(args, where, slot, peer_note, tmp) -> None:
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    rss_ours = rss() - rss0
+    rss_ours = dyn.rss() - rss0
     entries = r.entries()
     rep = r.memory_report()
     print(f"\nindex: {rep['keys']:,} keys, {entries:,} (block, pod, tier) entries, {rep['learned']:,} learned "
