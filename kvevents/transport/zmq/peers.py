@@ -46,7 +46,7 @@ import zmq
 
 from ...tracker import SeqTracker
 
-__all__ = ["Peer", "PeerTable", "CHECK_RECONNECT", "reconnected"]
+__all__ = ["Peer", "PeerTable", "CHECK_RECONNECT", "is_connected", "reconnected"]
 
 #: verify (after a reconnect, or by an idle probe): a different payload, or no batch at the
 #: anchor's seq, is a restart
@@ -59,7 +59,7 @@ class Peer:
     __slots__ = ("name", "replay_endpoint", "sub", "dealer", "monitor", "tracker", "anchor_seq", "anchor",
                  "anchor_run", "checking", "check_kind", "check_run", "connects", "probe_ivl", "probed_at", "gone", "bind",
                  "suspect", "conn", "old", "settled", "old_held", "old_next", "epoch", "window", "window_left",
-                 "window_top", "unplaced_due", "unplaced_recv")
+                 "window_top", "unplaced_due", "unplaced_recv", "connected")
 
     def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker, bind: bool = False) -> None:
         self.name = name
@@ -86,6 +86,7 @@ class Peer:
         #: after a restart was found: the old run's next seq, while its unread frames may still come
         self.old_next = -1
         self.connects = 0  #: SUB socket connections made (a second one is a reconnect)
+        self.connected = False  #: connect mode: its SUB socket's connection is up (the monitor says)
         #: connect mode: drains of the SUB socket that ended in EAGAIN, and the value it had at an
         #: unverifiable reconnect (frames read up to then may be either run's: dropped; -1: none)
         self.epoch = 0
@@ -245,7 +246,7 @@ class PeerTable:
         out = {"publishers": len(self.by_name), "publishers_active": len(self.active),
                "publishers_refused": self.refused, "publishers_expired": self.expired}
         names = ("received", "gaps", "recovered", "unrecoverable", "resets", "probes", "join_retries", "reconnects",
-                 "unverified_resets", "old_conn_dropped")
+                 "unverified_resets", "old_conn_dropped", "delivered", "disconnects")
         out.update(dict.fromkeys(names, 0))
         kinds = dict(malformed)
         for peer in self.by_name.values():
@@ -285,8 +286,18 @@ class PeerTable:
         return out
 
 
+def is_connected(peer: Peer) -> bool:
+    """Is the publisher's connection up? Connect mode: its SUB socket's monitor said so last
+    (a lost connection, a heartbeat timeout included, is reported down); bind mode: the
+    connection its frames came over is still open (:mod:`.conns`)."""
+    if peer.bind:
+        return peer.conn is not None and peer.conn.open
+    return peer.connected
+
+
 def reconnected(peer: Peer) -> bool:
-    """Read the peer's SUB monitor: True when a connection followed an earlier one."""
+    """Read the peer's SUB monitor (its connection's state, :func:`is_connected`; losses counted
+    in ``disconnects``): True when a connection followed an earlier one."""
     from zmq.utils.monitor import recv_monitor_message
 
     again = False
@@ -296,6 +307,11 @@ def reconnected(peer: Peer) -> bool:
         except zmq.Again:
             return again
         if msg["event"] == zmq.EVENT_CONNECTED:
+            peer.connected = True
             peer.connects += 1
             if peer.connects > 1:
                 again = True
+        elif msg["event"] == zmq.EVENT_DISCONNECTED:
+            if peer.connected:
+                peer.tracker.health.disconnects += 1
+            peer.connected = False
