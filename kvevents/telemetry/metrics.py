@@ -95,6 +95,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("kvevents.subscriber.reconnects", COUNTER, "{connection}",
        "The publisher came back over a new connection; each one is checked for a restart.",
        _S, "subscriber", "health()[p].reconnects"),
+    _m("kvevents.subscriber.disconnects", COUNTER, "{connection}",
+       "Connections to the publisher lost (connect mode: the SUB socket's monitor, a heartbeat timeout "
+       "included; bind mode: its connection closed).",
+       _S, "subscriber", "health()[p].disconnects"),
     _m("kvevents.subscriber.unverified_resets", COUNTER, "{reset}",
        "RESETs on a reconnect that could not be checked (no replay endpoint, or the check went unanswered).",
        _S, "subscriber", "health()[p].unverified_resets"),
