@@ -68,3 +68,6 @@ class PublisherHealth:
     #: no connections: a recording, the event plane)
     connected: bool | None = None
     disconnects: int = 0  #: connections to the publisher lost (each one counted)
+    #: idle probes answered from past the last delivered batch on an unbroken connection: the
+    #: ring moved on while the subscriber lagged; nothing concluded from them (never a RESET)
+    probes_moot: int = 0

@@ -36,7 +36,7 @@ from ...tracker import SeqTracker
 from .conns import DROP, NEW, BindConnections, local_address
 from .endpoints import probe_replay_endpoint, validate_endpoint
 from .frames import is_end_marker, is_replay_answer, replay_request
-from .peers import Peer, PeerTable, is_connected, reconnected
+from .peers import MOOT, RESTART, Peer, PeerTable, is_connected, reconnected
 from .restarts import DRAIN as _DRAIN
 from .restarts import RestartDetection, tail_bound
 
@@ -325,7 +325,10 @@ class Subscriber(RestartDetection, EventSource):
                     self._reconnected(peer, int.from_bytes(seq_b, "big"), now, out)
         if peer.old_next >= 0 and peer.old_leftover(int.from_bytes(seq_b, "big")):  # (after a RESET)
             peer.tracker.health.old_conn_dropped += 1
-            return  # the old run's, unread when its RESET came: it went with the old run
+            # the old run's, unread when its RESET came: it went with the old run (the socket is
+            # busy with its tail: no idle probe while it drains)
+            peer.tracker.health.last_recv_ts = now
+            return
         if peer.suspect:  # a reconnect not verified yet: hold, check again; never spill unverified
             if int.from_bytes(seq_b, "big") <= peer.tracker.live_high:
                 # the seq went backwards: this frame starts a new run, which the tracker RESETs to;
@@ -360,7 +363,7 @@ class Subscriber(RestartDetection, EventSource):
     def _on_replay(self, peer: Peer, frames: list[bytes], now: float, out: list[Delivery]) -> None:
         tracker = peer.tracker
         if is_end_marker(frames):
-            if peer.checking >= 0 and peer.verdict(None, None):
+            if peer.checking >= 0 and peer.verdict(None, None) == RESTART:
                 self._restart(peer, now, out)
                 return
             out.extend(tracker.on_replay_end(now))
@@ -376,8 +379,15 @@ class Subscriber(RestartDetection, EventSource):
         seq = int.from_bytes(frames[2], "big")
         anchor = peer.checking
         if anchor >= 0:
-            if peer.verdict(seq, frames[3]):
+            verdict = peer.verdict(seq, frames[3])
+            if verdict == RESTART:
                 self._restart(peer, now, out)
+                return
+            if verdict == MOOT:  # the ring moved on under a lagging subscriber: the probe ends here
+                out.extend(tracker.on_replay_end(now))
+                self._drop_dealer(peer)
+                if self.hooks is not None:
+                    self.hooks.on_replay_end(peer.name, False)
                 return
             if seq == anchor:  # the anchor itself, unchanged: delivered before, nothing to do
                 return
