@@ -336,6 +336,7 @@ def reconnected(peer: Peer) -> bool:
             return again
         if msg["event"] == zmq.EVENT_CONNECTED:
             peer.connected = True
+            peer.tracker.heard = True  # subscribed: not CONNECTING any more (STALE once gone and silent)
             peer.connects += 1
             if peer.connects > 1:
                 again = True
