@@ -109,16 +109,20 @@ def test_a_publisher_restart_shows_the_new_runs_last_seq_one_reset_and_every_bat
             return pred
 
         wait_for(live(9), what="the first run past seq 9")
+        last = pub.next_seq - 1  # every batch of the first run, delivered
+        wait_for(lambda: _pod(http, "a")["last_seq"] == last, what="the first run's last batch")
         first_run = _pod(http, "a")
         assert first_run["resets"] == 0 and first_run["batches"] == first_run["last_seq"] + 1
         pub.shutdown(timeout=0.5)
         pub = ZmqEventPublisher(pub_ep, rep_ep, topic="")  # the restarted engine: seqs from 0 again
-        wait_for(lambda: (pub.publish(stored(TOKS, [300])), _pod(http, "a")["resets"] >= 1)[1], timeout=20,
-                 what="the restart seen")
+        for k in range(3):  # (sent before the router reconnects: its replay from 0 brings them)
+            pub.publish(stored(TOKS, [300 + k]))
+        wait_for(lambda: _pod(http, "a")["resets"] >= 1 and _pod(http, "a")["last_seq"] == 2, timeout=20,
+                 what="the restart seen and the new run's 3 batches applied")
         p = _pod(http, "a")
         assert p["resets"] == 1
-        assert p["last_seq"] < first_run["last_seq"]  # the new run's, not the old run's highest
-        assert p["batches"] == first_run["batches"] + p["last_seq"] + 1  # every batch of both runs
+        assert p["last_seq"] == 2 < first_run["last_seq"]  # the new run's, not the old run's highest
+        assert p["batches"] == first_run["batches"] + 3, (first_run, p)  # every batch of both runs
     finally:
         svc.close()
         pub.shutdown(timeout=0.5)
