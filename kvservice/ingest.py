@@ -125,8 +125,9 @@ class Fleet:
         for p in cfg.pods:
             model = cfg.pod_model(p)
             self.pods[p.name] = PodStatus(p.name, model, True)
-            # known before it publishes: scored (0 until it has told something), never left out
-            self.router.add_pod(p.name, model)
+            if model is not None:  # (else its topic names the model: known from its first batch)
+                # known before it publishes: scored (0 until it has told something), never left out
+                self.router.add_pod(p.name, model)
             if sc.bind is None:
                 for ident, _ep, _rep in p.publishers():
                     self._attr[ident] = (p.name, f"kv@{p.name}@{model}")
