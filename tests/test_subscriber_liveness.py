@@ -71,3 +71,19 @@ def test_a_quiet_publisher_is_synced_while_its_connection_is_up_and_stale_once_i
         sub.close()
         if pub is not None:
             pub.shutdown(timeout=0.5)
+
+
+
+def test_the_old_runs_unread_tail_is_told_by_its_seqs_going_up_holes_included():
+    """After a restart was found, frames still unread from the old connection go on up from the
+    old run's seqs, with holes where a lagging subscriber's high-water mark lost some; the first
+    seq that goes back is the new run's. (Before: the first hole ended the old tail, what followed
+    it was taken for the new run, and the new run's seq 0 was a second RESET — seen under bursts
+    on busy cores, benchmarks/chaos_bursts.py.)"""
+    from kvevents.tracker import SeqTracker
+    from kvevents.transport.zmq.peers import Peer
+
+    peer = Peer("p", None, SeqTracker("p"))
+    peer.old_next = 100
+    assert [peer.old_leftover(s) for s in (100, 101, 105, 230, 231)] == [True] * 5
+    assert peer.old_leftover(0) is False and peer.old_next == -1  # the new run: the old tail is over
