@@ -171,6 +171,34 @@ def test_an_unrecoverable_gap_leaves_the_pod_routable_and_says_so(tmp_path):
         sock.close(0)
 
 
+def test_an_unreachable_publisher_leaves_routing_and_comes_back_each_flap_counted(tmp_path):
+    """Evidence both ways: the publisher's connection lost and nothing else heard for stale_after
+    takes the pod out (STALE, factor 0); its publisher back (a connection) brings it in again.
+    Each transition and each lost connection is counted."""
+    ep = f"ipc://{tmp_path}/a.pub"
+    pub = ZmqEventPublisher(ep, None, topic="")
+    svc = _service(tmp_path, [{"name": "a", "endpoint": ep}], stale_after=0.2)
+    try:
+        http = svc.http
+
+        def pods():
+            return [p["pod"] for p in http.post("/v1/score", {"model": MODEL, "token_ids": TOKS})[1]["pods"]]
+
+        wait_for(lambda: http.get("/readyz")[0] == 200, what="ready")
+        assert pods() == ["a"]
+        pub.shutdown(timeout=0.5)
+        wait_for(lambda: _pod(http, "a")["state"] == "STALE", what="the pod unreachable")
+        p = _pod(http, "a")
+        assert p["connected"] is False and p["disconnects"] == 1 and p["state_changes"] == 1
+        assert pods() == []  # out on evidence: no connection, nothing heard
+        pub = ZmqEventPublisher(ep, None, topic="")
+        wait_for(lambda: _pod(http, "a")["state"] == "SYNCED", what="the pod reachable again")
+        assert _pod(http, "a")["state_changes"] == 2 and pods() == ["a"]
+    finally:
+        svc.close()
+        pub.shutdown(timeout=0.5)
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "x"])
 def test_relearn_batches_is_validated_at_start_up_naming_the_key(bad):
     from kvevents.errors import ConfigError
