@@ -362,6 +362,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=20261123)
     ap.add_argument("--skip", action="append", default=[], choices=["fuzz", "attacks", "kill"])
+    ap.add_argument("--set", action="append", default=[], metavar="NAME",
+                    help="an extra set, after the table above: bursts (benchmarks/chaos_bursts.py)")
     ap.add_argument("--attack", action="append", default=[], metavar="WORD",
                     help="run only the attacks whose name contains WORD (repeatable; default: all)")
     ap.add_argument("--remote-attacker", action="store_true",
@@ -411,6 +413,10 @@ def main() -> None:
           "correct continuations, 0 splices; silent loss 0; publish() p99 <= 50 us under every attack. 'p99 base': the "
           "same publisher in the same run's unattacked windows (the attacker paused every other 0.5 s); p99/base "
           "near 1: the attack costs publish() nothing, the rest of its p99 is the machine's")
+    if "bursts" in args.set:
+        from benchmarks import chaos_bursts
+
+        chaos_bursts.main(["--seconds", "20" if args.quick else "60", "--tcp", "--burst", "20000"])
 
 
 if __name__ == "__main__":

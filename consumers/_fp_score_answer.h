@@ -155,8 +155,8 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (plan_open(&p, args, "score_json") < 0)
         return NULL;
     PyObject *plan = args[4];
-    PyObject *frags = PyTuple_GET_ITEM(plan, 9), *tier_frags = PyTuple_GET_ITEM(plan, 10),
-             *byname = PyTuple_GET_ITEM(plan, 11), *rows_packed = PyTuple_GET_ITEM(plan, 12);
+    PyObject *frags = PyTuple_GET_ITEM(plan, 8), *tier_frags = PyTuple_GET_ITEM(plan, 9),
+             *byname = PyTuple_GET_ITEM(plan, 10), *rows_packed = PyTuple_GET_ITEM(plan, 11);
     Py_ssize_t nrows = p.nrows;
     PodAns stack_ans[ANS_STACK], *ans = stack_ans;
     PodAns *stack_best[ANS_STACK], **best = stack_best; /* per pod index: its best rank's answer */

@@ -6,7 +6,7 @@
  *     per endpoint its tokens by tier, weighted total and Score, the best rank per pod kept,
  *     and the pick (THE tie-break of consumers.score.better), with the same float arithmetic
  *     in the same order as the Python loop (so the same totals, bit for bit).
- *     plan: (lanes, start, rows, names, weights, float(load_weight), float(-load_weight),
+ *     plan: (lanes, start, rows, names, weights, float(load_weight),
  *     score_type, block_size, then score_json's JSON fragments) built by
  *     the Scorer once per endpoint plan; rows: (slot, pod, rank, state, factor, pod_index) of
  *     every endpoint taking part; load: None or a dict pod -> number.
@@ -14,14 +14,14 @@
 
 /* ------------------------------------------------------------------ the plan, shared */
 
-#define PLAN_LEN 13 /* score_pods reads the first 9; score_json the JSON fragments and packed rows too */
+#define PLAN_LEN 12 /* score_pods reads the first 8; score_json the JSON fragments and packed rows too */
 
 /* One call's plan, unpacked, with the walk done: what score_pods and score_json share. */
 typedef struct {
     Walk w;
     PyObject *rows, *names, *score_type; /* borrowed from the plan */
     Py_ssize_t nrows, n_tok;
-    double lw, neg_lw; /* -load_weight is negated where load_weight is (0 -> 0, 0.0 -> -0.0) */
+    double lw;
     double n_tokens;   /* max(len(tokens), 1) as a float */
     long C;            /* block size */
     double wt[ST_MAX]; /* per stage: its tier's weight */
@@ -50,11 +50,10 @@ plan_open(Plan *p, PyObject *const *args, const char *fn)
     }
     p->rows = PyTuple_GET_ITEM(plan, 2);
     p->names = PyTuple_GET_ITEM(plan, 3);
-    p->score_type = PyTuple_GET_ITEM(plan, 7);
+    p->score_type = PyTuple_GET_ITEM(plan, 6);
     PyObject *weights = PyTuple_GET_ITEM(plan, 4);
     p->lw = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 5));
-    p->neg_lw = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 6));
-    p->C = PyLong_AsLong(PyTuple_GET_ITEM(plan, 8));
+    p->C = PyLong_AsLong(PyTuple_GET_ITEM(plan, 7));
     if (PyErr_Occurred())
         return -1;
     if (!PyTuple_Check(p->rows) || !PyTuple_Check(p->names) || !PyTuple_Check(weights) ||
@@ -122,7 +121,7 @@ plan_pod(const Plan *p, long slot, double factor, double pod_load, PodTiers *a)
     a->matched = 0;
     uint32_t ns = w->nseg[slot];
     if (!ns) {
-        a->total = p->neg_lw * pod_load;
+        a->total = 0.0 - p->lw * pod_load; /* as Scorer.score: never -0.0 */
         return 0;
     }
     int32_t end = w->endv[slot] >= 0 ? w->endv[slot] : (int32_t)w->n;

@@ -75,6 +75,8 @@ class Endpoints:
         self.pod_model: dict[str, str] = {}
         self.pub_pod: dict[str, str] = {}  #: publisher identity -> the pod its deliveries went to
         self.health: dict[str, str] = {}  #: pod -> RECOVERING / STALE (SYNCED pods absent)
+        #: UNRELIABLE pods still re-learning -> batches left until their discount ends
+        self.uncertain: dict[str, int] = {}
         self.tiers: dict[str, int] = {}
         self.tier_names: list[str] = []
         self.gen = 0
@@ -168,6 +170,7 @@ class Endpoints:
     def forget_pod(self, pod: str) -> None:
         self.pod_model.pop(pod, None)
         self.health.pop(pod, None)
+        self.uncertain.pop(pod, None)
         self.gen += 1
 
     def pods(self) -> list[str]:
@@ -193,14 +196,43 @@ class Endpoints:
         self.gen += 1
         for ep in self.of_pod(pod):
             ep.unreliable = value
+        if value:
+            if self.cfg.relearn_batches:
+                self.uncertain[pod] = self.cfg.relearn_batches  # (another gap: the count starts over)
+        else:
+            self.uncertain.pop(pod, None)
 
-    def state(self, ep: Endpoint) -> str:
+    def relearn_one(self, pod: str) -> None:
+        """A batch of the UNRELIABLE ``pod`` was applied: one closer to certain (the feed calls
+        this per batch delivery of a pod in ``uncertain``; the plan moves at each of eight steps)."""
+        n = self.cfg.relearn_batches
+        left = self.uncertain[pod] - 1
+        if left <= 0:
+            self.stats.relearned += 1
+            self.set_unreliable(pod, False)
+            return
+        self.uncertain[pod] = left
+        if (n - left) * 8 // n != (n - left - 1) * 8 // n:
+            self.gen += 1
+
+    def discount(self, pod: str) -> float:
+        """The UNRELIABLE factor of ``pod`` now: ``state_factors["UNRELIABLE"]`` right after the
+        gap, rising in eight steps to 1 over ``relearn_batches`` batches."""
+        base = self.cfg.state_factors.get("UNRELIABLE", 1.0)
+        left = self.uncertain.get(pod)
+        n = self.cfg.relearn_batches
+        if left is None or base >= 1.0 or not n:
+            return base
+        return base + (1.0 - base) * ((n - left) * 8 // n) / 8
+
+    def state_factor(self, ep: Endpoint) -> tuple[str, float]:
+        """``(state, factor)`` of ``ep``: its pod's health state's factor, times the UNRELIABLE
+        discount while it re-learns (state UNRELIABLE where its health is SYNCED)."""
+        health = self.health.get(ep.pod, "SYNCED")
+        factor = self.cfg.state_factors.get(health, 1.0)
         if ep.unreliable:
-            return "UNRELIABLE"
-        return self.health.get(ep.pod, "SYNCED")
-
-    def factor(self, state: str) -> float:
-        return self.cfg.state_factors.get(state, 1.0)
+            return ("UNRELIABLE" if health == "SYNCED" else health), factor * self.discount(ep.pod)
+        return health, factor
 
     # --- what scoring walks -------------------------------------------------------------------
     def model_for_query(self, model: str | None) -> str:
@@ -234,13 +266,10 @@ class Endpoints:
         stages = self.stages()
         lanes = [index.lane(t) for t, _, _ in stages]
         start = 0
-        health = self.health
-        factors = self.cfg.state_factors
         eps = []
         for ep in self.by_key.values():
             if ep.model == model:
-                state = "UNRELIABLE" if ep.unreliable else health.get(ep.pod, "SYNCED")
-                factor = factors.get(state, 1.0)
+                state, factor = self.state_factor(ep)
                 eps.append((ep, state, factor))
                 if factor > 0:
                     start |= 1 << ep.slot

@@ -44,22 +44,26 @@ def handle(router: KVRouter, delivery: object) -> None:
         pod, model = router.endpoints.pod_for(delivery.publisher, delivery.topic)  # type: ignore[attr-defined]
     except PodRefused:  # (a pin forbids it: counted in stats.pods_refused and stats.errors)
         return
-    router.endpoints.pub_pod[delivery.publisher] = pod  # type: ignore[attr-defined]
+    eps = router.endpoints
+    eps.pub_pod[delivery.publisher] = pod  # type: ignore[attr-defined]
     if kind == "batch":
         batch = delivery.batch  # type: ignore[attr-defined]
         try:
             if batch is not None:
                 router.apply(pod, batch, model=model)
-                return
-            payload = getattr(delivery, "payload", None)
-            if payload is None:
-                router.count_error("empty_delivery", f"pod {pod!r}: BATCH delivery without a batch")
-                return
-            try:  # a raw-mode subscriber: the payload, decoded here (in C where it is built)
-                router.apply_payload(pod, payload, model=model)
-            except DecodeError as exc:  # a lost batch, as a subscriber that decodes reports it
-                router.count_error("malformed_payload", f"pod {pod!r}: seq {delivery.seq}: {exc}")  # type: ignore[attr-defined]
-                router.mark_unreliable(pod)
+            else:
+                payload = getattr(delivery, "payload", None)
+                if payload is None:
+                    router.count_error("empty_delivery", f"pod {pod!r}: BATCH delivery without a batch")
+                    return
+                try:  # a raw-mode subscriber: the payload, decoded here (in C where it is built)
+                    router.apply_payload(pod, payload, model=model)
+                except DecodeError as exc:  # a lost batch, as a subscriber that decodes reports it
+                    router.count_error("malformed_payload", f"pod {pod!r}: seq {delivery.seq}: {exc}")  # type: ignore[attr-defined]
+                    router.mark_unreliable(pod)
+                    return
+            if eps.uncertain and pod in eps.uncertain:  # an UNRELIABLE pod re-learning: one batch closer
+                eps.relearn_one(pod)
         except PodRefused:  # (one pod past max_pods: counted in stats.pods_refused and stats.errors)
             pass
         except RouterInputError as exc:

@@ -97,8 +97,9 @@ class Ingestor:
         self._drop_pending_of(ep.slot)
         ep.odd_chunks.clear()
         ep.chunk_joined.clear()
-        if ep.unreliable:
+        if ep.unreliable:  # its index is known again (empty): certain
             ep.unreliable = False
+            self.eps.uncertain.pop(ep.pod, None)
             self.eps.gen += 1
 
     def forget_pod(self, pod: str) -> None:

@@ -125,10 +125,24 @@ class KVRouter:
             self._eps.drop(ep)
         self._eps.forget_pod(pod)
 
+    def add_pod(self, pod: str, model: str | None = None) -> None:
+        """A pod known before it publishes (configured): scored from now on, 0 until it has told
+        something (:class:`~consumers.router_config.PodRefused` past ``max_pods``)."""
+        self._eps.get(pod, 0, model)
+
     def mark_unreliable(self, pod: str) -> None:
-        """Events from ``pod`` were lost for good: its entries may be wrong until a clear/reset."""
+        """Events from ``pod`` were lost for good: its entries may be wrong. It stays routed, its
+        score discounted (``state_factors["UNRELIABLE"]``) until ``relearn_batches`` more of its
+        batches were applied, or a clear/reset."""
         self._stats.gaps += 1
         self._eps.set_unreliable(pod, True)
+
+    def uncertainty(self) -> dict[str, dict[str, object]]:
+        """UNRELIABLE pods -> ``{"factor": the discount now, "batches_left": until it ends (None:
+        until a clear/reset)}``."""
+        eps = self._eps
+        return {pod: {"factor": eps.discount(pod), "batches_left": eps.uncertain.get(pod)}
+                for pod in sorted({ep.pod for ep in eps if ep.unreliable})}
 
     def mark_resynced(self, pod: str) -> None:
         """The caller has brought ``pod`` back in sync (e.g. re-fed it from a snapshot)."""
@@ -264,5 +278,6 @@ class KVRouter:
         d.update(entries=self.entries(), keys=len(idx), evicted_keys=idx.evicted_keys,
                  evicted_entries=idx.evicted_entries, compactions=getattr(idx, "compactions", 0),
                  learned=self._learned.size, learned_evicted=self._learned.evicted,
-                 pending=len(self._ingest.pending), pods=len({ep.pod for ep in self._eps}))
+                 pending=len(self._ingest.pending), pods=len({ep.pod for ep in self._eps}),
+                 uncertain_pods=len({ep.pod for ep in self._eps if ep.unreliable}))
         return d

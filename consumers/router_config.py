@@ -54,10 +54,17 @@ class RouterConfig:
     #: offload events waiting for their GPU event: how many, and for how many batches
     pending_capacity: int = 4096
     pending_max_batches: int = 256
-    #: score factor by pod state; 0 excludes the pod from score()/pick()
+    #: score factor by pod state; 0 excludes the pod from score()/pick(). STALE is a publisher
+    #: with no evidence of life (no connection, no answer): excluded. UNRELIABLE (events lost for
+    #: good) is a discount, not an exclusion: the pod's factor starts here and rises back to 1 as
+    #: it re-learns (``relearn_batches``); it multiplies the pod's health state's factor
     state_factors: dict[str, float] = field(
-        default_factory=lambda: {"SYNCED": 1.0, "RECOVERING": 0.5, "STALE": 0.0, "UNRELIABLE": 0.0}
+        default_factory=lambda: {"SYNCED": 1.0, "RECOVERING": 0.5, "STALE": 0.0, "UNRELIABLE": 0.5}
     )
+    #: after an unrecoverable gap, the pod's batches over which its UNRELIABLE discount decays
+    #: back to none (in eight steps); then the pod is certain again (``stats.relearned``).
+    #: 0: the discount stays until the pod's index is cleared (a reset, AllBlocksCleared)
+    relearn_batches: int = 512
     #: total -= load_weight * load[pod] when score()/pick() get a load map
     load_weight: float = 0.0
     #: kv-cache groups whose events are indexed (others are counted and skipped)
@@ -79,6 +86,9 @@ class RouterConfig:
     index_tracing: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.relearn_batches, int) or isinstance(self.relearn_batches, bool) \
+                or self.relearn_batches < 0:
+            raise ConfigError(f"RouterConfig.relearn_batches must be an int >= 0, got {self.relearn_batches!r}")
         for name in ("block_size", "max_entries", "pending_capacity", "pending_max_batches", "max_tiers",
                      "max_chunk_keys", "health_every", "max_pods"):
             v = getattr(self, name)
@@ -111,7 +121,8 @@ class RouterStats:
     remove_unknown: int = 0  #: BlockRemoved naming a hash the router never learned
     clears: int = 0  #: AllBlocksCleared events
     resets: int = 0  #: reset_pod calls (publisher restarts)
-    gaps: int = 0  #: unrecoverable gaps (pod marked unreliable)
+    gaps: int = 0  #: unrecoverable gaps (pod marked unreliable: its score discounted until it re-learns)
+    relearned: int = 0  #: pods whose UNRELIABLE discount ended: relearn_batches batches applied since the gap
     purges: int = 0  #: remove_pod calls
     orphan_blocks: int = 0  #: GPU blocks whose parent hash was unknown (cannot be keyed)
     ignored_group_events: int = 0  #: events of kv-cache groups not indexed

@@ -84,7 +84,7 @@ class Scorer:
                      for ep, state, factor in eps if factor > 0)
         lw = self._cfg.load_weight
         cplan = (lanes, start, rows, tuple(n for _, n, _ in stages), tuple(float(w) for _, _, w in stages),
-                 float(lw), float(-lw), Score, self._bs) + _json_plan(rows, pods, stages)
+                 float(lw), Score, self._bs) + _json_plan(rows, pods, stages)
         self._cplan = (plan, cplan)
         return cplan
 
@@ -132,7 +132,7 @@ class Scorer:
             pod_load = 0.0 if load is None else float(load.get(pod, 0.0))
             seg = segments.get(ep.slot)
             if seg is None:
-                total = -lw * pod_load
+                total = 0.0 - lw * pod_load  # (never -0.0)
                 prev = out.get(pod)
                 if prev is None or total > prev.total:
                     out[pod] = s = Score(pod, total, {}, 0, ep.rank, state, factor, pod_load)
@@ -215,8 +215,7 @@ class Scorer:
         for ep in sorted(self.eps, key=lambda e: (e.pod, e.rank)):
             if ep.model != model:
                 continue
-            state = self.eps.state(ep)
-            factor = self.eps.factor(state)
+            state, factor = self.eps.state_factor(ep)
             alone: dict[str, int] = {}
             for t, name, _w in stages:
                 bit = index.bit(t, ep.slot)
@@ -254,7 +253,11 @@ class Scorer:
                     reason = f"block {end} ({where}) is not indexed for any pod"
                 else:
                     reason = f"block {end} ({where}) is in no tier of this pod"
+            if ep.unreliable and factor > 0:
+                left = self.eps.uncertain.get(ep.pod)
+                reason += (f"; discounted x{factor:g}: events were lost for good, "
+                           + (f"{left} more batches to re-learn" if left else "until a reset or clear"))
             out.setdefault(ep.pod, []).append(Explanation(
                 ep.pod, ep.rank, state, factor, end * C if factor > 0 else 0, segs, alone, ended, reason,
-                len(keys)))
+                len(keys), {"relearn_batches_left": self.eps.uncertain.get(ep.pod)} if ep.unreliable else {}))
         return out

@@ -226,6 +226,8 @@ def load_into(router: KVRouter, data: bytes) -> SnapshotInfo:
             ep.odd_chunks = {t: {h: n for h, n in d} for t, d in odd_chunks}
             ep.token_tiers = set(token_tiers)
             ep.unreliable = unreliable
+            if unreliable and router.config.relearn_batches:  # (its re-learning starts over)
+                eps.uncertain[pod] = router.config.relearn_batches
             eps.by_key[(pod, rank)] = ep
             eps.slots[slot] = ep
         if version == 1:

@@ -249,6 +249,8 @@ def observe_router(router: Any, meter: Meter | None = None, *, refresh_interval:
             + [(router.stats.remove_unknown, a(outcome="unknown"))])
     obs.add(meter, "kvevents.router.errors", lambda: [(n, a(kind=k)) for k, n in list(router.stats.errors.items())])
     obs.add(meter, "kvevents.router.gaps", simple(lambda: router.stats.gaps))
+    obs.add(meter, "kvevents.router.uncertain_pods", simple(lambda: router.counters()["uncertain_pods"]))
+    obs.add(meter, "kvevents.router.relearned", simple(lambda: router.stats.relearned))
     obs.add(meter, "kvevents.router.resets", simple(lambda: router.stats.resets))
     return obs
 

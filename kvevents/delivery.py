@@ -35,7 +35,10 @@ class HealthState(enum.Enum):
     CONNECTING = "CONNECTING"  #: nothing heard from the publisher yet (no frame, no replay answer or probe)
     SYNCED = "SYNCED"
     RECOVERING = "RECOVERING"  #: a gap was seen and a replay is outstanding
-    STALE = "STALE"  #: nothing received for longer than the configured stale time
+    #: no evidence of life for longer than the configured stale time: nothing received, no
+    #: connection up, and no replay answer (a quiet publisher whose connection is up, or whose
+    #: replay socket answers its idle probes, stays SYNCED however long it is quiet)
+    STALE = "STALE"
 
 
 @dataclass(slots=True)
@@ -59,3 +62,12 @@ class PublisherHealth:
     #: live batches dropped at a reconnect, from the connection the publisher left (or not told apart
     #: from it): the old run's tail after the RESET, or new-run seqs inside its GAP / replay
     old_conn_dropped: int = 0
+    delivered: int = 0  #: batches delivered in order, live and replayed (the consumer applies these)
+    last_answer_ts: float = 0.0  #: when its replay socket last answered (a replay, a probe, an end marker)
+    #: the transport's word on its connection: True up, False down, None not known (a source with
+    #: no connections: a recording, the event plane)
+    connected: bool | None = None
+    disconnects: int = 0  #: connections to the publisher lost (each one counted)
+    #: idle probes answered from past the last delivered batch on an unbroken connection: the
+    #: ring moved on while the subscriber lagged; nothing concluded from them (never a RESET)
+    probes_moot: int = 0

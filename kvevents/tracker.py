@@ -89,6 +89,7 @@ class SeqTracker:
             self.expected = seq + 1  # the common case: next in line
             self.live_high = seq
             h.last_seq = seq
+            h.delivered += 1
             self.attempts = 0
             if type(batch) is bytes:  # raw mode: the payload travels undecoded
                 return [Delivery(BATCH, self.publisher, self.topic, seq, None, now, 0, False, "", batch)]
@@ -119,6 +120,7 @@ class SeqTracker:
     def on_replay(self, seq: int, batch: KVEventBatch | None, now: float) -> list[Delivery]:
         out: list[Delivery] = []
         self.heard = True
+        self.health.last_answer_ts = now
         if not self.recovering:
             return out  # a late answer to a request already given up: ignored
         self.health.last_recv_ts = now
@@ -140,6 +142,7 @@ class SeqTracker:
     def on_replay_end(self, now: float) -> list[Delivery]:
         out: list[Delivery] = []
         self.heard = True
+        self.health.last_answer_ts = now
         if self.recovering:
             if self.late and self.expected is None:
                 # an empty ring: nothing was published when we asked, so the stream starts at 0
@@ -208,6 +211,7 @@ class SeqTracker:
         """
         out: list[Delivery] = []
         self.health.resets += 1
+        self.health.last_seq = -1  # the new run's: none delivered yet
         if not verified:
             self.health.unverified_resets += 1
         out.append(Delivery(RESET, self.publisher, self.topic, 0, None, now))
@@ -244,14 +248,23 @@ class SeqTracker:
         self.deadline = now + self.replay_timeout
         return True
 
-    def state(self, now: float, stale_after: float) -> HealthState:
+    def state(self, now: float, stale_after: float, connected: bool | None = None) -> HealthState:
+        """Liveness from evidence, never from silence alone: a publisher is STALE only when,
+        for longer than ``stale_after``, nothing was received, its replay socket did not answer
+        (idle probes back off up to ``stale_after``: an answer within twice that plus the replay
+        timeout counts) and the transport does not say its connection is up (``connected``:
+        True up, False down, None not known). A connection up is also enough to leave
+        CONNECTING: subscribed, the publisher is routable with what it has told (nothing yet)."""
         if self.recovering and not self.probing:
             return HealthState.RECOVERING
-        if not self.heard and not self.health.received:
+        h = self.health
+        if not self.heard and not h.received and not connected:
             return HealthState.CONNECTING  # never SYNCED with a publisher we have not heard
-        if now - self.health.last_recv_ts > stale_after:
-            return HealthState.STALE
-        return HealthState.SYNCED
+        if now - h.last_recv_ts <= stale_after or connected:
+            return HealthState.SYNCED
+        if h.last_answer_ts and now - h.last_answer_ts <= 2 * stale_after + self.replay_timeout:
+            return HealthState.SYNCED  # quiet, but its replay socket answers: alive
+        return HealthState.STALE
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -277,6 +290,8 @@ class SeqTracker:
     def _emit(self, out: list[Delivery], seq: int, batch, now: float, replayed: bool = False) -> None:
         self.expected = seq + 1
         self.health.last_seq = seq
+        if batch is not None:
+            self.health.delivered += 1
         if batch is None:
             out.append(Delivery(GAP, self.publisher, self.topic, seq, None, now, 1, False, "malformed"))
         elif type(batch) is bytes:  # raw mode: the payload travels undecoded
@@ -293,6 +308,7 @@ class SeqTracker:
 
     def _reset(self, out: list[Delivery], seq: int, now: float) -> None:
         self.health.resets += 1
+        self.health.last_seq = -1  # the new run's: none delivered yet
         self.unseen = 0
         self.pending.clear()
         self.attempts = 0

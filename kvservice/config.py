@@ -68,7 +68,7 @@ __all__ = ["ApiConfig", "PodConfig", "ServiceConfig", "SubscriberConfig", "load_
 #: RouterConfig fields a config file may set (the rest are the router's internals)
 ROUTER_KEYS = ("model", "block_size", "max_entries", "max_learned", "load_weight", "tier_weights",
                "default_tier_weight", "offload_chunk_blocks", "state_factors", "pending_capacity",
-               "pending_max_batches", "max_tiers")
+               "pending_max_batches", "max_tiers", "relearn_batches")
 
 
 @dataclass(slots=True)

@@ -73,12 +73,18 @@ class PodStatus:
     last_seq: int = -1
     last_recv_ts: float = 0.0
     lag_s: float | None = None  #: receive time minus the batch's own ts, for the last batch
-    batches: int = 0
+    batches: int = 0  #: batches applied (live and replayed, every run)
     gaps: int = 0
     unrecoverable: int = 0
     resets: int = 0
     malformed: dict[str, int] = field(default_factory=dict)
     publishers: list[str] = field(default_factory=list)
+    state_changes: int = 0  #: transitions of ``state`` (a flapping pod counts each one)
+    disconnects: int = 0  #: connections to its publishers lost
+    connected: bool | None = None  #: its publishers' connections are all up (None: not known)
+    #: after an unrecoverable gap: the score discount and the batches left until it is re-learnt
+    #: (None: certain), from the router
+    uncertainty: dict | None = None
 
     def as_dict(self, now: float) -> dict:
         return {"name": self.name, "model": self.model, "configured": self.configured, "state": self.state,
@@ -86,7 +92,8 @@ class PodStatus:
                 "last_recv_age_s": (now - self.last_recv_ts) if self.last_recv_ts else None,
                 "lag_s": self.lag_s, "batches": self.batches, "gaps": self.gaps,
                 "unrecoverable": self.unrecoverable, "resets": self.resets, "malformed": dict(self.malformed),
-                "publishers": list(self.publishers)}
+                "publishers": list(self.publishers), "state_changes": self.state_changes,
+                "disconnects": self.disconnects, "connected": self.connected, "uncertainty": self.uncertainty}
 
 
 class Fleet:
@@ -118,6 +125,9 @@ class Fleet:
         for p in cfg.pods:
             model = cfg.pod_model(p)
             self.pods[p.name] = PodStatus(p.name, model, True)
+            if model is not None:  # (else its topic names the model: known from its first batch)
+                # known before it publishes: scored (0 until it has told something), never left out
+                self.router.add_pod(p.name, model)
             if sc.bind is None:
                 for ident, _ep, _rep in p.publishers():
                     self._attr[ident] = (p.name, f"kv@{p.name}@{model}")
@@ -255,40 +265,45 @@ class Fleet:
         """Rebuild pod states from subscriber health (ingest thread, or at start)."""
         if health is None:
             health = self.sub.health()
+        with self.lock:
+            uncertain = self.router.uncertainty()
         for st in list(self.pods.values()):
             states = []
+            last_seq, batches, gaps, unrec, resets, drops, ups = -1, 0, 0, 0, 0, 0, []
+            malformed: dict[str, int] = {}
             for ident in st.publishers:
                 h = health.get(ident)
                 if h is None:
                     states.append("RECOVERING" if st.configured else "SYNCED")
                     continue
                 states.append(h.state.value)
-                st.last_seq = max(st.last_seq, h.last_seq)
+                last_seq = max(last_seq, h.last_seq)  # the current run's (-1 after a RESET until its first)
                 st.last_recv_ts = max(st.last_recv_ts, h.last_recv_ts if h.received else 0.0)
-                st.batches = h.received if len(st.publishers) == 1 else st.batches
-                st.gaps, st.unrecoverable, st.resets = h.gaps, h.unrecoverable, h.resets
-                st.malformed = dict(h.malformed)
+                batches += getattr(h, "delivered", h.received)
+                gaps, unrec, resets = gaps + h.gaps, unrec + h.unrecoverable, resets + h.resets
+                drops += getattr(h, "disconnects", 0)
+                ups.append(getattr(h, "connected", None))
+                for k, v in h.malformed.items():
+                    malformed[k] = malformed.get(k, 0) + v
                 last = self._last.get(ident)
                 if last is not None and last[2] is not None:
                     st.lag_s = max(0.0, last[1] - last[2])
-            if len(st.publishers) > 1:
-                st.batches = sum(health[i].received for i in st.publishers if i in health)
+            st.last_seq, st.batches, st.gaps, st.unrecoverable, st.resets = last_seq, batches, gaps, unrec, resets
+            st.malformed, st.disconnects = malformed, drops
+            st.connected = None if not ups or None in ups else all(ups)
             # the pod's state is its least useful publisher's: a never-heard one (CONNECTING) is
             # not synced, and a pod with one is neither SYNCED nor ready
             worst = max(states, key=lambda s: _ROLLUP.get(s, len(_ROLLUP)), default="SYNCED")
-            st.state = worst
+            was_synced = st.synced_once
             if worst == "SYNCED":
                 st.synced_once = True
-        with self.lock:
-            unreliable = self._unreliable()
-        for pod in unreliable:
-            if pod in self.pods:
-                self.pods[pod].state = "UNRELIABLE"
+            st.uncertainty = uncertain.get(st.name)
+            if st.uncertainty is not None and worst == "SYNCED":
+                worst = "UNRELIABLE"  # routed, with its score discounted (the uncertainty says how much)
+            if worst != st.state and was_synced:  # (the states before it first synced are no flaps)
+                st.state_changes += 1
+            st.state = worst
         self.ready = all(st.synced_once for st in self.pods.values() if st.configured)
-
-    def _unreliable(self) -> set[str]:
-        """Pods the router excludes because events were lost for good (until a reset)."""
-        return {ep.pod for ep in self.router.endpoints if ep.unreliable}
 
     def pods_view(self) -> dict:
         now = time.time()

@@ -57,6 +57,12 @@ SCHEMAS = {
         "batches": {"type": "integer"}, "gaps": {"type": "integer"}, "unrecoverable": {"type": "integer"},
         "resets": {"type": "integer"}, "malformed": {"type": "object"},
         "publishers": {"type": "array", "items": {"type": "string"}},
+        "state_changes": {"type": "integer", "description": "transitions of state since it first synced"},
+        "connected": {"type": ["boolean", "null"], "description": "its publishers' connections all up (null: not known)"},
+        "disconnects": {"type": "integer", "description": "connections to its publishers lost"},
+        "uncertainty": {"type": ["object", "null"], "description": "while UNRELIABLE: the score discount now "
+                        "(factor) and the batches until it ends (batches_left; null: until a reset or clear)",
+                        "properties": {"factor": {"type": "number"}, "batches_left": {"type": ["integer", "null"]}}},
         "entries_by_tier": {"type": "object", "additionalProperties": {"type": "integer"},
                             "description": "this pod's indexed (block, rank) entries per tier (ranks summed); "
                                            "recomputed at most once a second while the index changes"},

@@ -239,22 +239,38 @@ def test_restore_refreshes_lru_position():
     assert tiers(r, 16, "a", salt=2) == {}
 
 
-def test_unreliable_after_gap_until_cleared():
+def test_unreliable_after_gap_is_discounted_not_excluded_until_cleared():
     r = router()
     chain(r, "a", 2)
     chain(r, "b", 1, prefix="g")
     r.mark_unreliable("a")
-    assert set(r.score(toks(0, 2))) == {"b"}
-    assert r.pick(toks(0, 2)) == "b"
+    s = r.score(toks(0, 2))["a"]  # still routed: its score discounted by state_factors["UNRELIABLE"]
+    assert s.state == "UNRELIABLE" and s.factor == 0.5 and s.total == pytest.approx(0.5)
+    assert r.pick(toks(0, 2)) == "a"
     ex = r.explain(toks(0, 2))["a"][0]
-    assert ex.state == "UNRELIABLE" and ex.reason.startswith("excluded")
+    assert ex.state == "UNRELIABLE" and "discounted x0.5" in ex.reason and ex.extra == {"relearn_batches_left": 512}
+    assert r.uncertainty() == {"a": {"factor": 0.5, "batches_left": 512}} and r.counters()["uncertain_pods"] == 1
     r.apply("a", batch(clear()))
-    assert r.score(toks(0, 2))["a"].state == "SYNCED"
-    r2 = router(state_factors={"UNRELIABLE": 0.5})
-    chain(r2, "a", 2)
-    r2.mark_unreliable("a")
-    s = r2.score(toks(0, 2))["a"]
-    assert s.state == "UNRELIABLE" and s.total == pytest.approx(0.5)
+    assert r.score(toks(0, 2))["a"].state == "SYNCED" and r.uncertainty() == {}
+    r0 = router(state_factors={"UNRELIABLE": 0.0}, relearn_batches=0)  # the old exclusion, configured
+    chain(r0, "a", 2)
+    r0.mark_unreliable("a")
+    assert "a" not in r0.score(toks(0, 2))
+    assert r0.explain(toks(0, 2))["a"][0].reason.startswith("excluded")
+
+
+def test_unreliable_discount_decays_as_batches_reteach():
+    from kvevents import Delivery, DeliveryKind
+
+    r = router(relearn_batches=8)
+    chain(r, "a", 2)
+    r.mark_unreliable("a")
+    factors = [r.score(toks(0, 2))["a"].factor]
+    for i in range(8):  # each batch delivered through the feed re-teaches the index one step
+        r.handle(Delivery(DeliveryKind.BATCH, "a", "kv@a@m", i, batch(gpu([f"x{i}"], None, toks(100 + i)))))
+        factors.append(r.score(toks(0, 2))["a"].factor)
+    assert factors == [0.5 + 0.5 * k / 8 for k in range(8)] + [1.0]
+    assert r.score(toks(0, 2))["a"].state == "SYNCED" and r.stats.relearned == 1 and r.stats.gaps == 1
 
 
 def test_load_term_and_pick_ties():

@@ -57,9 +57,9 @@ def test_run_batches_resets_gaps_and_health():
     r.refresh_health(sub)
     assert r.score(toks(0, 3))["pod-b"].state == "SYNCED"
 
-    # a gap makes pod-a unreliable; its publisher restarting (RESET) clears and resyncs it
+    # a gap makes pod-a unreliable (routed, discounted); its publisher restarting (RESET) clears and resyncs it
     r.run(FakeSubscriber([Delivery(DeliveryKind.GAP, "tcp://a", TOPIC_A, 5, missed=3)]))
-    assert "pod-a" not in r.score(toks(0, 3)) and r.stats.gaps == 1
+    assert r.score(toks(0, 3))["pod-a"].state == "UNRELIABLE" and r.stats.gaps == 1
     r.run(FakeSubscriber([Delivery(DeliveryKind.RESET, "tcp://a", TOPIC_A, 0),
                           d_batch("tcp://a", TOPIC_A, 0, batch(gpu([7], None, toks(0))))]))
     s = r.score(toks(0, 3))["pod-a"]
@@ -90,7 +90,8 @@ def test_raw_deliveries_are_applied_from_their_payloads_and_malformed_ones_mark_
     assert raw.stats.as_dict() == decoded.stats.as_dict()
     raw.run(FakeSubscriber([Delivery(DeliveryKind.BATCH, "tcp://a", TOPIC_A, 2, None, payload=b"\x93\xc1")]))
     assert raw.stats.errors == {"malformed_payload": 1} and raw.stats.gaps == 1
-    assert "pod-a" not in raw.score(toks(0, 2)) and raw.explain(toks(0, 2))["pod-a"][0].state == "UNRELIABLE"
+    s = raw.score(toks(0, 2))["pod-a"]  # routed still, its score discounted while it re-learns
+    assert s.state == "UNRELIABLE" and s.factor == 0.5 and raw.explain(toks(0, 2))["pod-a"][0].state == "UNRELIABLE"
 
 
 def test_run_stops_on_event():

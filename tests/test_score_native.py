@@ -92,7 +92,7 @@ def _router(index: str, **kw) -> KVRouter:
 def test_native_and_python_routers_score_alike(data):
     """score_pods (walk + per-pod Scores + the pick in C) against the Python loop: the same
     Scores, float for float, ranks folded per pod, and the same pick counted."""
-    kw = {"load_weight": data.draw(st.sampled_from([0.0, 0, 0.5, 2])),  # an int 0 and 0.0 differ in -0.0
+    kw = {"load_weight": data.draw(st.sampled_from([0.0, 0, 0.5, 2])),  # an int 0 and 0.0: never a -0.0 total
           "tier_weights": {"GPU": data.draw(st.sampled_from([1.0, 1, 0.3])), "CPU": data.draw(st.sampled_from([0.5, 2]))},
           "state_factors": {"SYNCED": data.draw(st.sampled_from([1.0, 1, 0.7]))}}
     routers = [_router("native", **kw), _router("python", **kw)]

@@ -254,13 +254,15 @@ def test_a_gap_shows_the_pod_unreliable_and_a_reset_clears_it(tmp_path) -> None:
             pub.publish(stored(TOKS, [1, 2, 3, 4]))
             for d in fleet.sub.poll(20):
                 fleet.take(d)
-            return fleet.router.pick(TOKS, model=MODEL) == "a"
+            return fleet.router.score(TOKS, model=MODEL)["a"].matched_tokens > 0
 
         wait_for(heard, what="the first batch indexed")
         fleet.take(Delivery(DeliveryKind.GAP, "a", "", 1, missed=3, reason="lost"))
         fleet._refresh(2.0)
         assert fleet.pods["a"].state == "UNRELIABLE"
-        assert fleet.router.pick(TOKS, model=MODEL) is None  # excluded until it is back in sync
+        assert fleet.pods["a"].uncertainty == {"factor": 0.5, "batches_left": 512}
+        s = fleet.router.score(TOKS, model=MODEL)["a"]  # routed, discounted until it re-learns
+        assert s.state == "UNRELIABLE" and s.factor == 0.5
         fleet.take(Delivery(DeliveryKind.RESET, "a", "", 0))
         fleet._refresh(3.0)
         assert fleet.pods["a"].state == "SYNCED" and fleet.unattributed == {}

@@ -95,9 +95,17 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("kvevents.subscriber.reconnects", COUNTER, "{connection}",
        "The publisher came back over a new connection; each one is checked for a restart.",
        _S, "subscriber", "health()[p].reconnects"),
+    _m("kvevents.subscriber.disconnects", COUNTER, "{connection}",
+       "Connections to the publisher lost (connect mode: the SUB socket's monitor, a heartbeat timeout "
+       "included; bind mode: its connection closed).",
+       _S, "subscriber", "health()[p].disconnects"),
     _m("kvevents.subscriber.unverified_resets", COUNTER, "{reset}",
        "RESETs on a reconnect that could not be checked (no replay endpoint, or the check went unanswered).",
        _S, "subscriber", "health()[p].unverified_resets"),
+    _m("kvevents.subscriber.probes_moot", COUNTER, "{probe}",
+       "Idle probes answered from past the last delivered batch on an unbroken connection (the ring moved on "
+       "while the subscriber lagged): nothing concluded from them, never a RESET.",
+       _S, "subscriber", "health()[p].probes_moot"),
     _m("kvevents.subscriber.old_conn_dropped", COUNTER, "{batch}",
        "Live batches dropped at a reconnect: the old connection's unread tail, or batches not told apart from it.",
        _S, "subscriber", "health()[p].old_conn_dropped"),

@@ -52,6 +52,8 @@ _SUB_COUNTERS = {
     "kvevents.subscriber.probes": "probes",
     "kvevents.subscriber.join_retries": "join_retries",
     "kvevents.subscriber.reconnects": "reconnects",
+    "kvevents.subscriber.disconnects": "disconnects",
+    "kvevents.subscriber.probes_moot": "probes_moot",
     "kvevents.subscriber.unverified_resets": "unverified_resets",
     "kvevents.subscriber.old_conn_dropped": "old_conn_dropped",
 }

@@ -164,6 +164,7 @@ class BindConnections:
         self.fresh.pop(fd, None)
         for peer in conn.peers:
             peer.settled = False
+            peer.tracker.health.disconnects += 1
 
     def watching(self) -> bool:
         """Must the next drain read each frame's descriptor?"""

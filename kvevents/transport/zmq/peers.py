@@ -25,9 +25,14 @@ reconnect comes becomes one), and a check left unanswered with live batches held
 
 An idle probe is such a check too: it is sent while the publisher is quiet, maybe down, and a
 request sent while the publisher is down waits in the DEALER and is answered by whatever binds
-the replay endpoint next. An idle publisher of the same run still holds the anchor (only newer
-batches evict it, and losing a ring's worth of them is a GAP anyway), so no batch at the
-anchor's seq means another run there too. A gap's replay asks from the first missing seq, as
+the replay endpoint next. An idle publisher of the same run still holds the anchor, so no batch
+at the anchor's seq means another run there too — except where the connection the probe went
+out on is still up, unbroken (:meth:`Peer.link`): a restarted process is a new connection, so
+an answer that begins past the anchor is then the same run's ring having moved on while this
+subscriber lags more than a ring behind (its live frames are on their way, or their loss shows
+as a seq jump). That answer is *moot* (``probes_moot``): nothing is concluded or delivered from
+it. (Under bursts on busy cores that lag is common; taking it for a restart RESET the pod and
+then replayed from 0 into the ring's hole: a false reset and thousands of batches "lost".) A gap's replay asks from the first missing seq, as
 vLLM's subscriber does (it follows a live batch: the publisher was up a moment ago).
 
 Idle-tail probes: a publisher silent for ``probe_after`` seconds gets a replay request from
@@ -46,11 +51,13 @@ import zmq
 
 from ...tracker import SeqTracker
 
-__all__ = ["Peer", "PeerTable", "CHECK_RECONNECT", "reconnected"]
+__all__ = ["Peer", "PeerTable", "CHECK_RECONNECT", "SAME", "RESTART", "MOOT", "is_connected", "reconnected"]
 
 #: verify (after a reconnect, or by an idle probe): a different payload, or no batch at the
 #: anchor's seq, is a restart
 CHECK_RECONNECT = 2
+#: :meth:`Peer.verdict`'s answers
+SAME, RESTART, MOOT = 0, 1, 2
 
 
 class Peer:
@@ -59,7 +66,7 @@ class Peer:
     __slots__ = ("name", "replay_endpoint", "sub", "dealer", "monitor", "tracker", "anchor_seq", "anchor",
                  "anchor_run", "checking", "check_kind", "check_run", "connects", "probe_ivl", "probed_at", "gone", "bind",
                  "suspect", "conn", "old", "settled", "old_held", "old_next", "epoch", "window", "window_left",
-                 "window_top", "unplaced_due", "unplaced_recv")
+                 "window_top", "unplaced_due", "unplaced_recv", "connected", "check_link")
 
     def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker, bind: bool = False) -> None:
         self.name = name
@@ -74,6 +81,8 @@ class Peer:
         self.checking = -1  #: the anchor seq the replay in flight must start with (-1: none)
         self.check_kind = 0
         self.check_run = 0  #: the tracker's ``resets`` when the check was asked (a RESET since: moot)
+        #: an idle probe's: the connection it went out on (:meth:`link`), None for other checks
+        self.check_link = None
         self.suspect = False  #: reconnected, not yet verified: every replay asked is a reconnect check
         #: bind mode (see .conns): the connection its frames come over (None: not known), the one
         #: it left whose unread tail may still come, and whether its frames need no attributing
@@ -86,6 +95,7 @@ class Peer:
         #: after a restart was found: the old run's next seq, while its unread frames may still come
         self.old_next = -1
         self.connects = 0  #: SUB socket connections made (a second one is a reconnect)
+        self.connected = False  #: connect mode: its SUB socket's connection is up (the monitor says)
         #: connect mode: drains of the SUB socket that ended in EAGAIN, and the value it had at an
         #: unverifiable reconnect (frames read up to then may be either run's: dropped; -1: none)
         self.epoch = 0
@@ -109,10 +119,20 @@ class Peer:
             self.checking = self.anchor_seq
             self.check_kind = CHECK_RECONNECT
             self.check_run = self.tracker.health.resets
+            self.check_link = None if strict or self.suspect else self.link()
             return self.anchor_seq
         self.checking = -1
         self.check_kind = 0
         return start
+
+    def link(self):
+        """The connection up now, as a token equal only to itself while it stays up unbroken
+        (connect mode: the count of connections made; bind mode: the connection); None when none
+        is known to be up."""
+        if self.bind:
+            conn = self.conn
+            return conn if conn is not None and conn.open else None
+        return self.connects if self.connected else None
 
     def drop_old_held(self) -> tuple[int, int]:
         """A restart was found: the live batches held before the reconnect were the old run's, and
@@ -163,9 +183,11 @@ class Peer:
 
     def old_leftover(self, seq: int) -> bool:
         """After a restart was found: is the live frame ``seq`` one of the old run's, still unread
-        then? (It continues the old run's seqs; the first frame that does not ends the old run.)"""
-        if seq == self.old_next:
-            self.old_next += 1
+        then? It goes on up from the old run's seqs — not always one by one: frames lost at a
+        high-water mark leave holes in a lagging subscriber's tail — and the first frame whose
+        seq goes back (the new run's, from 0) ends the old run; so does the socket running dry."""
+        if seq >= self.old_next:
+            self.old_next = seq + 1
             return True
         self.old_next = -1
         return False
@@ -173,22 +195,29 @@ class Peer:
     def has_anchor(self) -> bool:
         return self.anchor is not None and self.anchor_run == self.tracker.health.resets
 
-    def verdict(self, seq: int | None, payload: bytes | None) -> bool:
-        """The first answer of a checked replay (``seq`` None: the end marker): True if a restart."""
-        kind, anchor_seq = self.check_kind, self.checking
+    def verdict(self, seq: int | None, payload: bytes | None) -> int:
+        """The first answer of a checked replay (``seq`` None: the end marker): SAME, RESTART, or
+        MOOT (an idle probe's answer begins past the anchor on the connection it went out on,
+        still up: the ring moved on; nothing is concluded, see the module docstring)."""
+        kind, anchor_seq, link = self.check_kind, self.checking, self.check_link
         self.checking = -1
         self.check_kind = 0
+        self.check_link = None
         if self.check_run != self.tracker.health.resets:
             restart = False  # a RESET came first (the seq went backwards): this check is moot
         elif seq == anchor_seq:
             restart = payload != self.anchor
+        elif seq is not None and seq > anchor_seq and link is not None and link == self.link() \
+                and not self.suspect:
+            self.tracker.health.probes_moot += 1
+            return MOOT
         else:  # the anchor is not there: unverifiable, and after a reconnect that is a new run
             restart = kind == CHECK_RECONNECT
         if kind == CHECK_RECONNECT:
             self.suspect = False  # verified now, one way or the other
         if not restart:
             self.old_held = ()  # the same run: what was held is delivered in order
-        return restart
+        return RESTART if restart else SAME
 
 
 class PeerTable:
@@ -245,7 +274,7 @@ class PeerTable:
         out = {"publishers": len(self.by_name), "publishers_active": len(self.active),
                "publishers_refused": self.refused, "publishers_expired": self.expired}
         names = ("received", "gaps", "recovered", "unrecoverable", "resets", "probes", "join_retries", "reconnects",
-                 "unverified_resets", "old_conn_dropped")
+                 "unverified_resets", "old_conn_dropped", "delivered", "disconnects", "probes_moot")
         out.update(dict.fromkeys(names, 0))
         kinds = dict(malformed)
         for peer in self.by_name.values():
@@ -285,8 +314,18 @@ class PeerTable:
         return out
 
 
+def is_connected(peer: Peer) -> bool:
+    """Is the publisher's connection up? Connect mode: its SUB socket's monitor said so last
+    (a lost connection, a heartbeat timeout included, is reported down); bind mode: the
+    connection its frames came over is still open (:mod:`.conns`)."""
+    if peer.bind:
+        return peer.conn is not None and peer.conn.open
+    return peer.connected
+
+
 def reconnected(peer: Peer) -> bool:
-    """Read the peer's SUB monitor: True when a connection followed an earlier one."""
+    """Read the peer's SUB monitor (its connection's state, :func:`is_connected`; losses counted
+    in ``disconnects``): True when a connection followed an earlier one."""
     from zmq.utils.monitor import recv_monitor_message
 
     again = False
@@ -296,6 +335,12 @@ def reconnected(peer: Peer) -> bool:
         except zmq.Again:
             return again
         if msg["event"] == zmq.EVENT_CONNECTED:
+            peer.connected = True
+            peer.tracker.heard = True  # subscribed: not CONNECTING any more (STALE once gone and silent)
             peer.connects += 1
             if peer.connects > 1:
                 again = True
+        elif msg["event"] == zmq.EVENT_DISCONNECTED:
+            if peer.connected:
+                peer.tracker.health.disconnects += 1
+            peer.connected = False

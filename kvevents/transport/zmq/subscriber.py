@@ -36,7 +36,7 @@ from ...tracker import SeqTracker
 from .conns import DROP, NEW, BindConnections, local_address
 from .endpoints import probe_replay_endpoint, validate_endpoint
 from .frames import is_end_marker, is_replay_answer, replay_request
-from .peers import Peer, PeerTable, reconnected
+from .peers import MOOT, RESTART, Peer, PeerTable, is_connected, reconnected
 from .restarts import DRAIN as _DRAIN
 from .restarts import RestartDetection, tail_bound
 
@@ -98,6 +98,7 @@ class Subscriber(RestartDetection, EventSource):
         self._peers: dict[str, Peer] = self._table.by_name
         self._malformed: dict[str, int] = {}  # malformed frames on a shared (bind-mode) socket
         self._rcvhwm = rcvhwm
+        self._heartbeat = heartbeat
         self._replay_map = dict(replay_endpoints or {})
         self._bind_sub = None
         self._conns: BindConnections | None = None  # bind mode: who is on which connection
@@ -119,10 +120,7 @@ class Subscriber(RestartDetection, EventSource):
                 self._add_peer(spec)
             if bind is not None:
                 validate_endpoint(bind, what="bind endpoint")
-                sock = self._new_sub()
-                if heartbeat is not None:  # a peer that stops answering (its host died, no FIN) is closed
-                    sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat * 1000))
-                    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat * 1000))
+                sock = self._new_sub()  # (with the heartbeat)
                 # its monitor first: polled before the socket; at most max_connections open (.conns)
                 self._conns = BindConnections(sock, tail_bound(rcvhwm, 2), max_connections)
                 self._register(self._conns.monitor, "bindmon", None)
@@ -159,6 +157,9 @@ class Subscriber(RestartDetection, EventSource):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        if self._heartbeat is not None:  # a peer that stops answering (its host died, no FIN) is closed
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(self._heartbeat * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self._heartbeat * 1000))
         return sock
 
     def _register(self, sock: zmq.Socket, kind: str, peer: Peer | None) -> None:
@@ -186,8 +187,9 @@ class Subscriber(RestartDetection, EventSource):
     def _add_peer(self, spec: PublisherSpec) -> None:
         peer = self._make_peer(spec.name or spec.endpoint, spec.replay_endpoint)
         peer.sub = self._new_sub()
-        # reconnects trigger the restart check (see .peers), or without a replay endpoint a RESET
-        peer.monitor = peer.sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        # reconnects trigger the restart check (see .peers), or without a replay endpoint a RESET;
+        # disconnects say the publisher is unreachable (liveness from evidence: is_connected)
+        peer.monitor = peer.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._register(peer.monitor, "monitor", peer)
         peer.sub.connect(spec.endpoint)
         self._register(peer.sub, "live", peer)
@@ -323,7 +325,10 @@ class Subscriber(RestartDetection, EventSource):
                     self._reconnected(peer, int.from_bytes(seq_b, "big"), now, out)
         if peer.old_next >= 0 and peer.old_leftover(int.from_bytes(seq_b, "big")):  # (after a RESET)
             peer.tracker.health.old_conn_dropped += 1
-            return  # the old run's, unread when its RESET came: it went with the old run
+            # the old run's, unread when its RESET came: it went with the old run (the socket is
+            # busy with its tail: no idle probe while it drains)
+            peer.tracker.health.last_recv_ts = now
+            return
         if peer.suspect:  # a reconnect not verified yet: hold, check again; never spill unverified
             if int.from_bytes(seq_b, "big") <= peer.tracker.live_high:
                 # the seq went backwards: this frame starts a new run, which the tracker RESETs to;
@@ -358,7 +363,7 @@ class Subscriber(RestartDetection, EventSource):
     def _on_replay(self, peer: Peer, frames: list[bytes], now: float, out: list[Delivery]) -> None:
         tracker = peer.tracker
         if is_end_marker(frames):
-            if peer.checking >= 0 and peer.verdict(None, None):
+            if peer.checking >= 0 and peer.verdict(None, None) == RESTART:
                 self._restart(peer, now, out)
                 return
             out.extend(tracker.on_replay_end(now))
@@ -374,8 +379,15 @@ class Subscriber(RestartDetection, EventSource):
         seq = int.from_bytes(frames[2], "big")
         anchor = peer.checking
         if anchor >= 0:
-            if peer.verdict(seq, frames[3]):
+            verdict = peer.verdict(seq, frames[3])
+            if verdict == RESTART:
                 self._restart(peer, now, out)
+                return
+            if verdict == MOOT:  # the ring moved on under a lagging subscriber: the probe ends here
+                out.extend(tracker.on_replay_end(now))
+                self._drop_dealer(peer)
+                if self.hooks is not None:
+                    self.hooks.on_replay_end(peer.name, False)
                 return
             if seq == anchor:  # the anchor itself, unchanged: delivered before, nothing to do
                 return
@@ -444,7 +456,9 @@ class Subscriber(RestartDetection, EventSource):
         out = {}
         for name, peer in self._peers.items():
             h = peer.tracker.health
-            out[name] = replace(h, state=peer.tracker.state(now, self.stale_after), malformed=dict(h.malformed))
+            up = is_connected(peer)
+            out[name] = replace(h, state=peer.tracker.state(now, self.stale_after, up), connected=up,
+                                malformed=dict(h.malformed))
         return out
 
     def stats(self) -> dict[str, int]:
@@ -465,6 +479,7 @@ class Subscriber(RestartDetection, EventSource):
                 result[name] = ok = probe_replay_endpoint(self._ctx, peer.replay_endpoint, timeout)
                 if ok:
                     peer.tracker.heard = True  # the publisher's replay socket answered: not CONNECTING
+                    peer.tracker.health.last_answer_ts = time.time()
         return result
 
     def close(self) -> None:

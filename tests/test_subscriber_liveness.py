@@ -1,0 +1,89 @@
+"""Liveness from evidence at the subscriber: connection state, replay answers, and idle probes
+that never take a lagging subscriber's view of a ring that moved on for a restart."""
+
+from __future__ import annotations
+
+import time
+
+from kvevents import DeliveryKind, HealthState, PublisherSpec, Subscriber, ZmqEventPublisher
+
+from .pubsub_helpers import batch, collect, seqs, wait_connected
+
+
+def test_a_probe_answered_past_the_anchor_on_an_unbroken_connection_is_no_restart(tmp_path):
+    """The subscriber lags more than a ring behind (the cores are busy): the publisher's ring has
+    moved past the last delivered batch when an idle probe asks for it. The connection never
+    broke, so it is the same run: no RESET, no GAP, and the live frames on their way are
+    delivered in order. (Before: a RESET, then a replay from 0 into the ring's hole.)"""
+    pub_ep, rep_ep = f"ipc://{tmp_path}/p.pub", f"ipc://{tmp_path}/p.replay"
+    pub = ZmqEventPublisher(pub_ep, rep_ep, topic="", buffer_steps=10)
+    sub = Subscriber([PublisherSpec(pub_ep, rep_ep, "p")], tail_probe_after=None)
+    try:
+        start = wait_connected(pub, sub)
+        for i in range(start, start + 5):
+            pub.publish(batch(i))
+        collect(sub, lambda g: seqs(g) and max(seqs(g)) == start + 4)
+        peer = sub._peers["p"]
+        assert peer.anchor_seq == start + 4 and peer.connected
+        for i in range(start + 5, start + 105):  # the ring (10) moves far past the anchor
+            pub.publish(batch(i))
+        wait_ring = time.monotonic() + 10
+        while pub.stats()["batches_published"] < start + 105 and time.monotonic() < wait_ring:
+            time.sleep(0.01)  # (a poll of the publisher's counter, with a deadline)
+        # an idle probe, as poll() sends one when it is due, while the lagging live frames wait unread;
+        # its answer is in before the next poll (which reads the live frames, then the answer)
+        assert peer.tracker.check(time.time(), probe=True)
+        sub._send_request(peer)
+        assert peer.dealer.poll(10_000), "the replay socket did not answer"
+        got = collect(sub, lambda g: seqs(g) and max(seqs(g)) == start + 104 and not peer.tracker.recovering)
+        assert [d.kind for d in got if d.kind is not DeliveryKind.BATCH] == []
+        assert seqs(got) == list(range(start + 5, start + 105))
+        h = sub.health()["p"]
+        assert h.resets == 0 and h.unrecoverable == 0 and h.probes_moot == 1
+    finally:
+        sub.close()
+        pub.shutdown(timeout=0.5)
+
+
+def test_a_quiet_publisher_is_synced_while_its_connection_is_up_and_stale_once_it_is_gone(tmp_path):
+    """No replay endpoint, nothing published for longer than stale_after: SYNCED while connected
+    (and ready before its first batch); STALE only once its connection is lost (counted)."""
+    pub_ep = f"ipc://{tmp_path}/q.pub"
+    pub = ZmqEventPublisher(pub_ep, None, topic="")
+    sub = Subscriber([PublisherSpec(pub_ep, None, "q")], stale_after=0.05)
+    try:
+        collect(sub, lambda g: sub.health()["q"].connected)  # subscribed, nothing published yet
+        h = sub.health()["q"]
+        assert h.state is HealthState.SYNCED and h.received == 0
+        quiet_from = time.monotonic()
+        while time.monotonic() - quiet_from < 4 * sub.stale_after:  # quiet past stale_after
+            sub.poll(10)
+        assert sub.health()["q"].state is HealthState.SYNCED
+        pub.shutdown(timeout=0.5)
+        pub = None
+        collect(sub, lambda g: not sub.health()["q"].connected)
+        end = time.monotonic() + 10
+        while sub.health()["q"].state is not HealthState.STALE and time.monotonic() < end:
+            sub.poll(10)
+        h = sub.health()["q"]
+        assert h.state is HealthState.STALE and h.disconnects == 1
+    finally:
+        sub.close()
+        if pub is not None:
+            pub.shutdown(timeout=0.5)
+
+
+
+def test_the_old_runs_unread_tail_is_told_by_its_seqs_going_up_holes_included():
+    """After a restart was found, frames still unread from the old connection go on up from the
+    old run's seqs, with holes where a lagging subscriber's high-water mark lost some; the first
+    seq that goes back is the new run's. (Before: the first hole ended the old tail, what followed
+    it was taken for the new run, and the new run's seq 0 was a second RESET — seen under bursts
+    on busy cores, benchmarks/chaos_bursts.py.)"""
+    from kvevents.tracker import SeqTracker
+    from kvevents.transport.zmq.peers import Peer
+
+    peer = Peer("p", None, SeqTracker("p"))
+    peer.old_next = 100
+    assert [peer.old_leftover(s) for s in (100, 101, 105, 230, 231)] == [True] * 5
+    assert peer.old_leftover(0) is False and peer.old_next == -1  # the new run: the old tail is over
