@@ -3,7 +3,8 @@
     python benchmarks/chaos.py            # the full run (several minutes)
     python benchmarks/chaos.py --quick    # a smoke run
     python benchmarks/chaos.py --set plane [--quick]   # the event plane's attack set (benchmarks/chaos_plane.py)
-    python benchmarks/chaos.py --set http # the HTTP attacks on the router service (benchmarks/chaos_http.py)
+    python benchmarks/chaos.py --set http               # the HTTP attacks on the router service (benchmarks/chaos_http.py)
+    python benchmarks/chaos.py --set bursts [--quick]  # bursts under load: resets equal restarts (benchmarks/chaos_bursts.py)
 
 Sections (each row says what was done and what came of it):
 
@@ -362,18 +363,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=20261123)
     ap.add_argument("--skip", action="append", default=[], choices=["fuzz", "attacks", "kill"])
-    ap.add_argument("--set", action="append", default=[], metavar="NAME",
-                    help="an extra set, after the table above: bursts (benchmarks/chaos_bursts.py)")
     ap.add_argument("--attack", action="append", default=[], metavar="WORD",
                     help="run only the attacks whose name contains WORD (repeatable; default: all)")
     ap.add_argument("--remote-attacker", action="store_true",
                     help="run the attacker process at nice 19 and SCHED_BATCH, as a peer on another machine would "
                          "cost this one nothing but its traffic (on a 2-core machine the attacker's own CPU otherwise "
                          "preempts the engine thread: involuntary switches of the caller inside publish())")
-    ap.add_argument("--set", choices=["core", "plane", "http"], default="core",
+    ap.add_argument("--set", choices=["core", "plane", "http", "bursts"], default="core",
                     help="core: fuzzing, hostile peers, kill -9 (this script); plane: attacks on the NATS event "
                          "plane (benchmarks/chaos_plane.py); http: attacks on the router service's HTTP front "
-                         "(benchmarks/chaos_http.py)")
+                         "(benchmarks/chaos_http.py); bursts: bursts from real publishers with the cores busy "
+                         "(benchmarks/chaos_bursts.py)")
     args = ap.parse_args()
     if args.set == "plane":
         from benchmarks import chaos_plane
@@ -383,6 +383,10 @@ def main() -> None:
         from benchmarks import chaos_http
 
         return chaos_http.main(["--quick"] * args.quick + [a for w in args.attack for a in ("--attack", w)])
+    if args.set == "bursts":
+        from benchmarks import chaos_bursts
+
+        return chaos_bursts.main(["--seconds", "20" if args.quick else "60", "--tcp", "--burst", "20000"])
     scale = 0.02 if args.quick else 1.0
     t0 = time.monotonic()
     rows: list[list] = []
@@ -413,10 +417,6 @@ def main() -> None:
           "correct continuations, 0 splices; silent loss 0; publish() p99 <= 50 us under every attack. 'p99 base': the "
           "same publisher in the same run's unattacked windows (the attacker paused every other 0.5 s); p99/base "
           "near 1: the attack costs publish() nothing, the rest of its p99 is the machine's")
-    if "bursts" in args.set:
-        from benchmarks import chaos_bursts
-
-        chaos_bursts.main(["--seconds", "20" if args.quick else "60", "--tcp", "--burst", "20000"])
 
 
 if __name__ == "__main__":
