@@ -55,9 +55,9 @@ class MaskIndex(Index):
 
     Bit ``tier * cap + endpoint`` says "``endpoint`` holds this key in ``tier``"; tier-major,
     so the GPU bits are low. ``cap`` (endpoints per tier) doubles when an endpoint past it is
-    stored. A backend supplies the storage operations: ``add_chain``, ``add``, ``unset``,
-    ``clear_bits``, ``grow``, ``walk_back``, ``items``, ``load``, ``lane_counts``, ``nbytes``
-    and ``masks`` (a mapping key -> mask, read by :meth:`match`)."""
+    stored. A backend supplies ``store`` and ``remove`` (its hot verbs, written out) and the
+    storage operations: ``clear_bits``, ``grow``, ``walk_back``, ``items``, ``load``,
+    ``lane_counts``, ``nbytes`` and ``masks`` (a mapping key -> mask, read by :meth:`match`)."""
 
     __slots__ = ()
     cap: int
@@ -68,17 +68,7 @@ class MaskIndex(Index):
     evicted_entries: int
     masks: Any
 
-    # --- the role's verbs
-    def store(self, endpoint: int, tier: int, keys: list[int], parent: int | None = None, *,
-              chain: bool = True) -> None:
-        if endpoint >= self.cap or tier >= self.max_tiers or endpoint < 0 or tier < 0:
-            self._place(endpoint, tier)
-        bit = 1 << (tier * self.cap + endpoint)
-        if chain:
-            self.add_chain(keys, bit, parent)
-        else:
-            self.add(keys, bit)
-
+    # --- the role's verbs (store and remove: each backend's own, on the Python ingest's path)
     def _place(self, endpoint: int, tier: int) -> None:
         if not 0 <= tier < self.max_tiers or endpoint < 0:
             raise ValueError(f"index: endpoint {endpoint} / tier {tier} out of range (max_tiers={self.max_tiers})")
@@ -86,11 +76,6 @@ class MaskIndex(Index):
         while cap <= endpoint:
             cap *= 2
         self.grow(cap)
-
-    def remove(self, endpoint: int, tier: int, keys: list[int]) -> int:
-        if not (0 <= endpoint < self.cap and 0 <= tier < self.max_tiers):
-            return 0
-        return self.unset(keys, 1 << (tier * self.cap + endpoint))
 
     def clear(self, endpoint: int) -> int:
         if not 0 <= endpoint < self.cap:
@@ -275,20 +260,24 @@ class BlockIndex(MaskIndex):
         if self.entries > self.max_entries or len(self.masks) > self.max_entries:
             self.evict()
 
-    def add_chain(self, keys: list[int], bit: int, parent: int | None) -> None:
-        """Set ``bit`` on ``keys`` (a chain: distinct) and link each key to its predecessor."""
-        parents = self.parents
-        if keys and parent is not None:
-            parents[keys[0]] = parent
-        parents.update(zip(keys[1:], keys))
-        self._set(keys, bit)
+    def store(self, endpoint: int, tier: int, keys: list[int], parent: int | None = None, *,
+              chain: bool = True) -> None:
+        """Set the (endpoint, tier) bit on ``keys``; with ``chain`` (distinct keys) link each key
+        to its predecessor, the first to ``parent``."""
+        if not (0 <= endpoint < self.cap and 0 <= tier < self.max_tiers):
+            self._place(endpoint, tier)
+        if chain:
+            parents = self.parents
+            if keys and parent is not None:
+                parents[keys[0]] = parent
+            parents.update(zip(keys[1:], keys))
+        self._set(keys, 1 << (tier * self.cap + endpoint))
 
-    def add(self, keys: list[int], bit: int) -> None:
-        """Set ``bit`` on ``keys`` (no parent links: an offload join); duplicates are fine."""
-        self._set(keys, bit)
-
-    def unset(self, keys: list[int], bit: int) -> int:
-        """Clear ``bit`` on ``keys``; returns how many entries went away."""
+    def remove(self, endpoint: int, tier: int, keys: list[int]) -> int:
+        """Clear the (endpoint, tier) bit on ``keys``; returns how many entries went away."""
+        if not (0 <= endpoint < self.cap and 0 <= tier < self.max_tiers):
+            return 0
+        bit = 1 << (tier * self.cap + endpoint)
         masks = self.masks
         intern = self.intern
         gone = 0

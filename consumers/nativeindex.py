@@ -72,18 +72,23 @@ class NativeBlockIndex(MaskIndex):
         self.masks.grow(old, new_cap, self.max_tiers)
         self.cap = new_cap
 
-    def _added(self, new: int, moved: int) -> None:  # the table has counted the new entries
-        if self.masks.entries > self.max_entries or len(self.masks) > self.max_entries:
+    def store(self, endpoint: int, tier: int, keys: list[int], parent: int | None = None, *,
+              chain: bool = True) -> None:
+        if not (0 <= endpoint < self.cap and 0 <= tier < self.max_tiers):
+            self._place(endpoint, tier)
+        masks = self.masks
+        bit = tier * self.cap + endpoint  # (the bit's number in the table)
+        if chain:
+            masks.set_chain(keys, bit, parent)
+        else:
+            masks.set_bit(keys, bit)
+        if masks.entries > self.max_entries or len(masks) > self.max_entries:
             self.evict()
 
-    def add(self, keys: list[int], bit: int) -> None:
-        self._added(self.masks.set_bit(keys, bit.bit_length() - 1), len(keys))
-
-    def add_chain(self, keys: list[int], bit: int, parent: int | None) -> None:
-        self._added(self.masks.set_chain(keys, bit.bit_length() - 1, parent), len(keys))
-
-    def unset(self, keys: list[int], bit: int) -> int:
-        return self.masks.clear_bit(keys, bit.bit_length() - 1)
+    def remove(self, endpoint: int, tier: int, keys: list[int]) -> int:
+        if not (0 <= endpoint < self.cap and 0 <= tier < self.max_tiers):
+            return 0
+        return self.masks.clear_bit(keys, tier * self.cap + endpoint)
 
     def clear_bits(self, bits: int) -> int:
         return self.masks.clear_bits([i for i in range(bits.bit_length()) if bits >> i & 1])

@@ -296,15 +296,14 @@ def test_the_c_mask_table_index_behaves_as_the_dict_index(sc):
     for kind, keys, slot, tier, parent in ops:
         for idx in (a, b):
             slot_ = slot % idx.cap
-            bit = 1 << (tier * idx.cap + slot_)  # the mask layout both backends share
             if kind == "chain":
-                idx.add_chain(keys, bit, parent)
+                idx.store(slot_, tier, keys, parent)
             elif kind == "add":
-                idx.add(keys, bit)
+                idx.store(slot_, tier, keys, chain=False)
             elif kind == "remove":
-                idx.unset(keys, bit)
+                idx.remove(slot_, tier, keys)
             elif kind == "clear":
-                idx.clear_bits(idx.slot_bits(slot_))
+                idx.clear(slot_)
             elif idx.cap < 16:
                 idx.grow(idx.cap * 2)
         assert list(b.masks.items()) == list(a.masks.items())
