@@ -90,10 +90,11 @@ class Index(ABC):
         :meth:`store` recorded, ending before ``stop`` or where no link is known."""
 
     @abstractmethod
-    def stats(self, detail: bool = False) -> dict[str, Any]:
-        """``entries``, ``keys``, ``evicted_keys``, ``evicted_entries`` (cheap); with ``detail``
-        (one pass over the index) also ``by_tier`` (entries per tier, a list),
-        ``by_endpoint`` (endpoint -> entries per tier) and ``bytes`` (approximate bytes held)."""
+    def stats(self, detail: str | None = None) -> dict[str, Any]:
+        """``entries``, ``keys``, ``evicted_keys``, ``evicted_entries`` (cheap); ``detail`` adds
+        one census, each a pass over the index: ``"tiers"`` adds ``by_tier`` (entries per tier,
+        a list), ``"endpoints"`` ``by_endpoint`` (endpoint -> entries per tier, a list),
+        ``"bytes"`` ``bytes`` (approximate bytes held; a backend may add its own ``bytes_*``)."""
 
     @abstractmethod
     def snapshot(self) -> IndexImage:

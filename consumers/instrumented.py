@@ -58,7 +58,7 @@ class IndexDecorator(Index):
     def keys_between(self, key: int, stop: int, limit: int) -> list[int] | None:
         return self.next.keys_between(key, stop, limit)
 
-    def stats(self, detail: bool | str = False) -> dict[str, Any]:
+    def stats(self, detail: str | None = None) -> dict[str, Any]:
         return self.next.stats(detail)
 
     def snapshot(self) -> IndexImage:
@@ -118,7 +118,7 @@ class InstrumentedIndex(IndexDecorator):
         self._count("restore", len(records))
         self.next.restore(image._replace(records=records))
 
-    def stats(self, detail: bool | str = False) -> dict[str, Any]:
+    def stats(self, detail: str | None = None) -> dict[str, Any]:
         out = self.next.stats(detail)
         out.update({f"{op}_calls": n for op, n in self.calls.items()})
         return out

@@ -94,16 +94,19 @@ class MaskIndex(Index):
     def lineage(self, key: int, n: int, stop: int | None = None) -> list[int]:
         return self.walk_back(key, n, stop)
 
-    def stats(self, detail: bool | str = False) -> dict[str, Any]:
+    def stats(self, detail: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"entries": self.entries, "keys": len(self.masks), "evicted_keys": self.evicted_keys,
                                "evicted_entries": self.evicted_entries}
-        if detail:
+        if detail == "tiers":
             out["by_tier"] = self.lane_counts(self.max_tiers)
+        elif detail == "endpoints":
+            out["by_endpoint"] = self._by_endpoint()
+        elif detail == "bytes":
             nb = self.nbytes()
-            out["bytes"] = nb["masks"] + nb["parents"]
-            out.update(bytes_masks=nb["masks"], bytes_parents=nb["parents"], distinct_masks=nb["distinct_masks"])
-            if detail == "endpoints":
-                out["by_endpoint"] = self._by_endpoint()
+            out.update(bytes=nb["masks"] + nb["parents"], bytes_masks=nb["masks"], bytes_parents=nb["parents"],
+                       distinct_masks=nb["distinct_masks"])
+        elif detail is not None:
+            raise ValueError(f"index stats: unknown detail {detail!r} (tiers, endpoints, bytes)")
         return out
 
     def _by_endpoint(self) -> dict[int, list[int]]:
@@ -357,7 +360,7 @@ class BlockIndex(MaskIndex):
     def __len__(self) -> int:
         return len(self.masks)
 
-    def stats(self, detail: bool | str = False) -> dict[str, Any]:
+    def stats(self, detail: str | None = None) -> dict[str, Any]:
         out = super().stats(detail)
         out["compactions"] = self.compactions
         return out

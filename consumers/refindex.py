@@ -135,10 +135,10 @@ class ChainIndex(Index):
         out.reverse()
         return out
 
-    def stats(self, detail: bool | str = False) -> dict[str, Any]:
+    def stats(self, detail: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"entries": self.entries, "keys": len(self.held), "evicted_keys": self.evicted_keys,
                                "evicted_entries": self.evicted_entries}
-        if detail:
+        if detail in ("tiers", "endpoints"):
             T = self.max_tiers
             by_tier = [0] * T
             by_ep: dict[int, list[int]] = {}
@@ -149,12 +149,13 @@ class ChainIndex(Index):
                     if row is None:
                         row = by_ep[e] = [0] * T
                     row[t] += 1
-            out["by_tier"] = by_tier
+            out["by_tier" if detail == "tiers" else "by_endpoint"] = by_tier if detail == "tiers" else by_ep
+        elif detail == "bytes":
             size = sys.getsizeof
             out["bytes"] = (size(self.held) + sum(map(size, self.held.values())) + 72 * self.entries
                             + size(self.parents))
-            if detail == "endpoints":
-                out["by_endpoint"] = by_ep
+        elif detail is not None:
+            raise ValueError(f"index stats: unknown detail {detail!r} (tiers, endpoints, bytes)")
         return out
 
     def snapshot(self) -> IndexImage:

@@ -226,7 +226,7 @@ class KVRouter:
 
     def entries_by_tier(self) -> dict[str, int]:
         """(key, endpoint) entries per tier name."""
-        lanes = self._index.stats(detail=True)["by_tier"]
+        lanes = self._index.stats("tiers")["by_tier"]
         return {name: lanes[t] for name, t in self._eps.tiers.items()}
 
     def entries_by_pod(self) -> dict[str, dict[str, int]]:
@@ -236,7 +236,7 @@ class KVRouter:
         eps, names = self._eps, self._eps.tier_names
         owner = {ep.slot: ep.pod for ep in eps}
         out: dict[str, dict[str, int]] = {pod: {name: 0 for name in names} for pod in owner.values()}
-        for slot, row in self._index.stats(detail="endpoints")["by_endpoint"].items():
+        for slot, row in self._index.stats("endpoints")["by_endpoint"].items():
             pod = owner.get(slot)
             if pod is not None:
                 for t, n in enumerate(row[: len(names)]):
@@ -245,7 +245,7 @@ class KVRouter:
 
     def memory_report(self) -> dict[str, float]:
         """Approximate bytes held by the index and the learned maps."""
-        st = self._index.stats(detail=True)
+        st = self._index.stats("bytes")
         learned_b = self.learned.nbytes()
         total = st["bytes"] + learned_b
         entries = max(1, st["entries"])
