@@ -70,7 +70,7 @@ class NativeBlockIndex(MaskIndex):
         if new_cap <= old:
             return
         self.masks.grow(old, new_cap, self.max_tiers)
-        self.cap = new_cap
+        self.cap = self._access.cap = new_cap
 
     def store(self, endpoint: int, tier: int, keys: list[int], parent: int | None = None, *,
               chain: bool = True) -> None:
@@ -117,7 +117,7 @@ class NativeBlockIndex(MaskIndex):
             yield k, m, par(k)
 
     def load(self, items) -> None:
-        self.masks = self._table(bits=self.cap * self.max_tiers)
+        self.masks = self._access.table = self._table(bits=self.cap * self.max_tiers)
         self.masks.load(list(items))
 
     def lane_counts(self, tiers: int) -> list[int]:
@@ -131,20 +131,15 @@ class TableAccess:
     """The native backend's C table as the C ingest (``consumers/nativeingest.py``) and the C
     score walk (``consumers/scorer.py``) use it, and its slot layout as the endpoints table
     keeps it: those paths write and walk the table without the role (their work is what the
-    router's own counters count). Read live: a restore replaces the table, a grow the layout."""
+    router's own counters count). ``table`` and ``cap`` are plain attributes (read per score
+    call) that the backend keeps current: a restore replaces the table, a grow the layout."""
 
-    __slots__ = ("_index",)
+    __slots__ = ("_index", "table", "cap")
 
     def __init__(self, index: NativeBlockIndex) -> None:
         self._index = index
-
-    @property
-    def table(self):
-        return self._index.masks
-
-    @property
-    def cap(self) -> int:
-        return self._index.cap
+        self.table = index.masks  #: the MaskTable
+        self.cap = index.cap  #: endpoints per tier in its bit layout
 
     @property
     def max_entries(self) -> int:

@@ -228,3 +228,31 @@ def test_no_backend_subclasses_another():
     for a in classes:
         for b in classes:
             assert a is b or not issubclass(a, b), (a, b)
+
+
+def test_the_c_paths_follow_the_native_table_through_grow_and_restore():
+    """The router hands the native table to the C ingest and score once; a grow (past 64
+    endpoints) and a restore (a new table) must reach them: C answers as the Python walk does."""
+    from consumers.keys import _FAST
+    from kvevents import BlockStored, KVEventBatch, encode_batch
+
+    if _FAST is None:
+        pytest.skip("the C extension is not in use")
+    routers = [KVRouter(model="m", block_size=2, index=name, index_metrics=True) for name in ("native", "reference")]
+    prompt = list(range(8))
+    for i in range(70):  # 70 pods: past the first 64-endpoint layout
+        n = 1 + i % 4  # (canonical blocks, GPU and CPU: what the C ingest applies itself)
+        ev = BlockStored([1000 + 10 * i + j for j in range(n)], None, prompt[: 2 * n], 2, None, ("GPU", "CPU")[i % 2],
+                         None)
+        for r in routers:
+            r.apply_payload(f"p{i}", encode_batch(KVEventBatch(0.0, [ev])))
+    native, ref = routers
+    assert native.ingestor.native and not ref.ingestor.native
+    assert native.index.calls["store"] == 0 and ref.index.calls["store"] == 70  # C wrote every block
+    want = {p: s.tokens_by_tier for p, s in ref.score(prompt).items()}
+    assert len(want) == 70 and want["p69"] == {"CPU": 4}
+    assert {p: s.tokens_by_tier for p, s in native.score(prompt).items()} == want
+    back = KVRouter(model="m", block_size=2, index="native")
+    back.restore(native.snapshot())
+    assert {p: s.tokens_by_tier for p, s in back.score(prompt).items()} == want
+    assert back.scorer.score_json(prompt) is not None  # (the C answer ran)
