@@ -68,7 +68,8 @@ class MaskIndex(Index):
     evicted_entries: int
     masks: Any
 
-    # --- the role's verbs (store and remove: each backend's own, on the Python ingest's path)
+    # --- the role's verbs (store and remove are each backend's own, written out: the Python
+    # ingest's per-event path); _place is their check for an endpoint past the layout
     def _place(self, endpoint: int, tier: int) -> None:
         if not 0 <= tier < self.max_tiers or endpoint < 0:
             raise ValueError(f"index: endpoint {endpoint} / tier {tier} out of range (max_tiers={self.max_tiers})")
@@ -130,7 +131,7 @@ class MaskIndex(Index):
     def restore(self, image: IndexImage) -> None:
         width, records = image.width, image.records
         if width > self.cap:
-            self.grow(width)
+            self._place(width - 1, 0)  # (doubling, as a store past the layout does)
         if width != self.cap:  # re-lay each mask for this index's width
             records = [(k, _relay(m, width, self.cap, self.max_tiers), p) for k, m, p in records]
         self.load(records)

@@ -108,6 +108,12 @@ def test_any_endpoint_number(backend):
     assert held(idx, 2, endpoints=[2, 300]) == {(2, 0), (300, 2)}
     segments, ends = idx.match([1, 2, 3], [0, 2], [2, 300])
     assert segments == {2: [(0, 0)], 300: [(1, 0)]} and ends == {2: 2, 300: 2}
+    image = idx.snapshot()
+    image = image._replace(records=list(image.records))
+    for name in _buildable():  # a wide image into a fresh (narrow) index of every backend
+        other = _make(name)
+        other.restore(image)
+        assert held(other, 2, endpoints=[2, 300]) == {(2, 0), (300, 2)} and records(other.snapshot()) == records(image)
     with pytest.raises(ValueError):
         idx.store(1, TIERS + 5, [1])
 
