@@ -117,7 +117,7 @@ def main() -> int:
             st = [p.stats() for p in list(pubs)]
             router = getattr(runs[0], "router", None) if runs else None
             entries = router.entries() if router is not None else 0
-            keys = len(router._index.masks) if router is not None else 0
+            keys = len(router.index) if router is not None else 0
             learned = sum(map(len, list(router._learned.maps.values()))) if router is not None else 0
             samples.append((time.monotonic() - t0, rss_mib(), sum(s["ring_batches"] for s in st),
                             sum(s["ring_bytes"] for s in st), entries, sum(len(w.recent) for w in list(windows)),

@@ -93,7 +93,7 @@ class Ingestor:
         """Drop everything ``ep`` holds: its index bits, its pending joins, its odd chunks."""
         self.sync()
         self.eps.touch += 1
-        self._index.clear_slot(ep.slot)
+        self._index.clear(ep.slot)
         self._drop_pending_of(ep.slot)
         ep.odd_chunks.clear()
         ep.chunk_joined.clear()
@@ -174,7 +174,7 @@ class Ingestor:
                     keys = list(map(lget, hashes))
                     if None not in keys:
                         stats.offload_blocks += len(keys)
-                        index.add(keys, 1 << (tier * index.cap + ep.slot))
+                        index.store(ep.slot, tier, keys, chain=False)
                         continue
                 self._store_offload(ep, hashes, tier)
             elif cls is AllBlocksCleared:
@@ -229,8 +229,7 @@ class Ingestor:
             ep.odd[0] = True
         self._stats.blocks_stored += n
         if keys:
-            index = self._index
-            index.add_chain(keys, 1 << (tier * index.cap + ep.slot), parent)  # type: ignore[arg-type]
+            self._index.store(ep.slot, tier, keys, parent)  # type: ignore[arg-type]
         if self.pending_by_hash:
             self._resolve_pending(ep.model, hashes)
 
@@ -299,11 +298,10 @@ class Ingestor:
         if (seen > _DEPTH_ALWAYS and seen % _DEPTH_ALWAYS) or ep.block_size % self._bs:  # (partial blocks)
             return
         index = self._index
-        path = index.walk_back(k, _DEPTH_LIMIT)
-        if len(path) >= _DEPTH_LIMIT or index.mask(path[0]) is None:
-            return
-        if len(path) > 1 or index.walk_back(path[0], 2) == path:  # (a root: nothing above it)
-            self._set_extent(ep, tier, len(path))
+        path = index.lineage(k, _DEPTH_LIMIT)
+        if len(path) >= _DEPTH_LIMIT or not index.match(path[:1], range(len(self._tier_names)), self.eps.slots)[0]:
+            return  # (the walk's first key is no longer held: maybe not a root, its link gone)
+        self._set_extent(ep, tier, len(path))
 
     def _set_extent(self, ep: Endpoint, tier: int, g: int) -> None:
         """Fold evidence ``g`` (a multiple of the chunk extent, in keys) into the tier's estimate.
@@ -333,12 +331,12 @@ class Ingestor:
             k, _n = self._block_keys(ep, v)
             if k is None:
                 continue
-            old = index.walk_back(k, cur)
+            old = index.lineage(k, cur)
             keep.update(old[-new:])
             drop.update(old)
         drop -= keep
         if drop:
-            index.remove(list(drop), 1 << (tier * index.cap + ep.slot))
+            index.remove(ep.slot, tier, list(drop))
         if new > 1:
             ep.chunk_joined[tier] = joined
 
@@ -358,7 +356,7 @@ class Ingestor:
         if inferred and ep.chunk_keys.get(tier) != 1:
             self._depth_evidence(ep, tier, k)
         default = self._chunk_default(ep, tier, n)
-        keys = [k] if default == 1 else index.walk_back(k, default)
+        keys = [k] if default == 1 else index.lineage(k, default)
         if len(keys) != default:
             ep.odd_chunks.setdefault(tier, {})[h] = len(keys)
         elif inferred and default > 1:
@@ -367,7 +365,7 @@ class Ingestor:
                 joined = ep.chunk_joined[tier] = {}
             if len(joined) < _PROVISIONAL_CAP:
                 joined[h] = None
-        index.add(keys, 1 << (tier * index.cap + ep.slot))
+        index.store(ep.slot, tier, keys, chain=False)
 
     # --- pending offload events -----------------------------------------------------------
     def _hold(self, ep: Endpoint, tier: int, h: object) -> None:
@@ -434,7 +432,6 @@ class Ingestor:
     def _remove(self, ep: Endpoint, hashes: list, tier: int) -> None:
         lmap = ep.lmap
         index = self._index
-        bit = 1 << (tier * index.cap + ep.slot)
         token_tier = tier in ep.token_tiers or (tier == 0 and not ep.token_tiers)
         odd = ep.odd_chunks.get(tier)
         for h in hashes:
@@ -456,8 +453,8 @@ class Ingestor:
             if joined:
                 joined.pop(h, None)
             if token_tier:
-                keys = [k] if n == 1 else index.walk_back(k, n)
+                keys = [k] if n == 1 else index.lineage(k, n)
             else:
                 nk = odd.pop(h, None) if odd else None
-                keys = index.walk_back(k, nk or self._chunk_default(ep, tier, n))
-            index.remove(keys, bit)
+                keys = index.lineage(k, nk or self._chunk_default(ep, tier, n))
+            index.remove(ep.slot, tier, keys)

@@ -65,17 +65,18 @@ def _rest_events(payload, left: int, start: int, end: int) -> list:
         return events[len(events) - left:]
 
 
-def available(config, index) -> bool:
-    """Whether a router with ``config`` and ``index`` can ingest in C."""
-    return _FAST is not None and config.groups == _DEFAULT_GROUPS and \
-        hasattr(index.native_table(), "set_chain") and hasattr(index, "low_water")
+def available(config, accel) -> bool:
+    """Whether a router with ``config`` and ``accel`` (its index's C table access,
+    :func:`consumers.index.accelerator`; None where the backend has none) can ingest in C."""
+    return _FAST is not None and config.groups == _DEFAULT_GROUPS and accel is not None
 
 
 class NativeIngestor(Ingestor):
     native = True
 
-    def __init__(self, *args, **kw) -> None:
-        super().__init__(*args, **kw)
+    def __init__(self, config, endpoints, index, learned, stats, accel) -> None:
+        super().__init__(config, endpoints, index, learned, stats)
+        self._accel = accel  #: the native backend's TableAccess: C writes its table directly
         self._c_apply = _FAST.apply
         self._tally = array("q", [0] * _FAST.TALLY_SLOTS)
         self._contexts: dict[str, dict[int, tuple]] = {}  #: pod -> rank -> context
@@ -97,9 +98,7 @@ class NativeIngestor(Ingestor):
                     setattr(stats, name, getattr(stats, name) + t[slot])
             learned = self._learned
             learned.size += t[T_LEARNED]
-            index = self._index
-            index.evicted_keys += t[T_EVICTED_KEYS]
-            index.evicted_entries += t[T_EVICTED_ENTRIES]
+            self._accel.evicted(t[T_EVICTED_KEYS], t[T_EVICTED_ENTRIES])
             for i in range(len(t)):
                 t[i] = 0
             if recount and learned.size > learned.max_size:
@@ -177,12 +176,13 @@ class NativeIngestor(Ingestor):
         ep = self.eps.by_key.get((pod, rank))
         if ep is None:
             ep = self.eps.get(pod, rank, model)
-        index = self._index
+        accel = self._accel
+        cap = accel.cap
         configured = self._cfg.offload_chunk_blocks
         names = tuple(self.eps.tier_names)
         bits, store_chunk, remove_one = [], [], []
         for t, name in enumerate(names):
-            bits.append(t * index.cap + ep.slot)  # the bit's number in the MaskTable
+            bits.append(t * cap + ep.slot)  # the bit's number in the MaskTable
             conf = configured.get(name)
             ck = ep.chunk_keys.get(t)
             # how an offload store joins: 0 one key per hash; 1 the same if the event has one
@@ -194,6 +194,6 @@ class NativeIngestor(Ingestor):
                 store_chunk.append(0 if ck == 1 else 2)
                 default = 1 if ck is None else ck
             remove_one.append(default == 1 and not ep.odd_chunks.get(t) and t not in ep.tier_bs)
-        return (self.eps.touch, ep.lmap, index.native_table(), ep.seed, self._bs, ep.odd, ep.block_size,
-                self._token_mask(ep), names, tuple(bits), tuple(store_chunk), tuple(remove_one), index.max_entries,
-                index.low_water)
+        return (self.eps.touch, ep.lmap, accel.table, ep.seed, self._bs, ep.odd, ep.block_size,
+                self._token_mask(ep), names, tuple(bits), tuple(store_chunk), tuple(remove_one), accel.max_entries,
+                accel.low_water)

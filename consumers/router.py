@@ -19,12 +19,11 @@ Known limitations (measured in ``benchmarks/router.py``):
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 
 from . import feed, snapshot
 from .endpoints import Endpoints, pod_from_topic
-from .index import Index, make_index
+from .index import Index, SlotLayout, accelerator, make_index
 from .instrumented import InstrumentedIndex, TracedIndex
 from .ingest import Ingestor
 from .keys import _FAST
@@ -55,13 +54,17 @@ class KVRouter:
         if config.index_tracing:
             index = TracedIndex(index)
         self._index = index
-        native = available(config, index)
+        accel = accelerator(index)  # the native backend's C table, whatever decorates it (else None)
+        native = available(config, accel)
         self._learned = LearnedMap(config.max_learned or config.max_entries,
                                    table=_FAST.LearnedTable if native else None)  # type: ignore[union-attr]
-        self._eps = Endpoints(config, index, self._learned, self._stats)
-        kind = NativeIngestor if native else Ingestor
-        self._ingest: Ingestor = kind(config, self._eps, index, self._learned, self._stats)
-        self.scorer = Scorer(config, self._eps, index, self._stats)
+        layout = accel if accel is not None else SlotLayout(max_tiers=config.max_tiers)
+        self._eps = Endpoints(config, layout, self._learned, self._stats)  # type: ignore[arg-type]
+        if native:
+            self._ingest: Ingestor = NativeIngestor(config, self._eps, index, self._learned, self._stats, accel)
+        else:
+            self._ingest = Ingestor(config, self._eps, index, self._learned, self._stats)
+        self.scorer = Scorer(config, self._eps, index, self._stats, accel)
         self.apply_payload = self._ingest.apply_payload  # (bound: no facade frame per batch)
         self.apply = self._ingest.apply  # type: ignore[method-assign]
 
@@ -233,50 +236,43 @@ class KVRouter:
 
     def entries(self) -> int:
         """Indexed (key, endpoint, tier) entries."""
-        return self._index.entries  # type: ignore[attr-defined]
+        return self._index.stats()["entries"]
 
     def entries_by_tier(self) -> dict[str, int]:
         """(key, endpoint) entries per tier name."""
-        lanes = self._index.lane_counts(len(self._eps.tiers))
+        lanes = self._index.stats("tiers")["by_tier"]
         return {name: lanes[t] for name, t in self._eps.tiers.items()}
 
     def entries_by_pod(self) -> dict[str, dict[str, int]]:
         """Pod -> tier name -> (key, endpoint) entries, the pod's ranks summed; pods that hold
-        nothing are listed with zeros. O(index) per call: one pass over the index's masks (counted
-        per distinct mask at C speed, then each distinct mask's bits once), so call it for a
-        status page, not per request."""
-        idx, eps = self._index, self._eps
-        masks = getattr(idx, "masks", None)  # both backends keep one; any other Index: items()
-        values = masks.values() if hasattr(masks, "values") else (m for _, m, _ in idx.items())
-        cap, names = idx.cap, eps.tier_names  # type: ignore[attr-defined]
+        nothing are listed with zeros. O(index) per call (the index's per-endpoint census), so
+        call it for a status page, not per request."""
+        eps, names = self._eps, self._eps.tier_names
         owner = {ep.slot: ep.pod for ep in eps}
         out: dict[str, dict[str, int]] = {pod: {name: 0 for name in names} for pod in owner.values()}
-        for m, n in Counter(values).items():
-            while m:
-                low = m & -m
-                b = low.bit_length() - 1
-                m ^= low
-                pod = owner.get(b % cap)
-                if pod is not None and b // cap < len(names):
-                    out[pod][names[b // cap]] += n
+        for slot, row in self._index.stats("endpoints")["by_endpoint"].items():
+            pod = owner.get(slot)
+            if pod is not None:
+                for t, n in enumerate(row[: len(names)]):
+                    out[pod][names[t]] += n
         return out
 
     def memory_report(self) -> dict[str, float]:
         """Approximate bytes held by the index and the learned maps."""
-        idx = self._index
-        nb = idx.nbytes()
+        st = self._index.stats("bytes")
         learned_b = self.learned.nbytes()
-        total = nb["masks"] + nb["parents"] + learned_b
-        entries = max(1, self.entries())
-        return {"entries": self.entries(), "keys": len(idx), "learned": self._learned.size,
-                "distinct_masks": nb["distinct_masks"], "bytes_masks": nb["masks"], "bytes_parents": nb["parents"],
-                "bytes_learned": learned_b, "bytes_total": total, "bytes_per_entry": total / entries}
+        total = st["bytes"] + learned_b
+        entries = max(1, st["entries"])
+        return {"entries": st["entries"], "keys": st["keys"], "learned": self._learned.size,
+                "distinct_masks": st.get("distinct_masks", 0), "bytes_masks": st.get("bytes_masks", st["bytes"]),
+                "bytes_parents": st.get("bytes_parents", 0), "bytes_learned": learned_b, "bytes_total": total,
+                "bytes_per_entry": total / entries}
 
     def counters(self) -> dict[str, object]:
         d = self.stats.as_dict()
-        idx = self._index
-        d.update(entries=self.entries(), keys=len(idx), evicted_keys=idx.evicted_keys,
-                 evicted_entries=idx.evicted_entries, compactions=getattr(idx, "compactions", 0),
+        st = self._index.stats()
+        d.update(entries=st["entries"], keys=st["keys"], evicted_keys=st["evicted_keys"],
+                 evicted_entries=st["evicted_entries"], compactions=st.get("compactions", 0),
                  learned=self._learned.size, learned_evicted=self._learned.evicted,
                  pending=len(self._ingest.pending), pods=len({ep.pod for ep in self._eps}),
                  uncertain_pods=len({ep.pod for ep in self._eps if ep.unreliable}))

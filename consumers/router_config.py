@@ -75,13 +75,15 @@ class RouterConfig:
     max_chunk_keys: int = 1024
     #: health() is polled every this many deliveries in run()
     health_every: int = 64
-    #: index backend (consumers.index.INDEX_BACKENDS): "native" (the C mask table), "python",
-    #: or "auto" (native where the C extension is in use)
+    #: index backend (consumers.index.INDEX_BACKENDS): "native" (the C mask table), "python"
+    #: (the masks in a dict), "reference" (dicts of holders), or "auto" (native where the C
+    #: extension is in use, else python)
     index: str = "auto"
     #: count the calls made through the Index role (consumers.instrumented.InstrumentedIndex in
-    #: front of the backend; exported by consumers.telemetry.observe_router); the C ingest stays
+    #: front of the backend; exported by consumers.telemetry.observe_router); the C ingest and
+    #: score stay (they use the native backend's table directly, uncounted here)
     index_metrics: bool = False
-    #: a span for each clear, eviction pass, grow and snapshot load of the index
+    #: a span for each clear, evicting store and snapshot restore of the index
     #: (consumers.instrumented.TracedIndex; made while consumers.telemetry.instrument_router runs)
     index_tracing: bool = False
 

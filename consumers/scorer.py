@@ -56,22 +56,24 @@ def _json_plan(rows: tuple, pods: dict, stages: list) -> tuple:
 
 
 class Scorer:
-    def __init__(self, config: RouterConfig, endpoints: Endpoints, index: Index, stats: RouterStats) -> None:
+    def __init__(self, config: RouterConfig, endpoints: Endpoints, index: Index, stats: RouterStats,
+                 accel=None) -> None:
         self._cfg = config
         self._bs = config.block_size
         self.eps = endpoints
         self.index = index
+        self._accel = accel  #: the native backend's C table access (consumers.index.accelerator), or None
         self._stats = stats
         self._cplan: tuple = (None, None)  # (the endpoints' plan, score_pods' plan built from it)
         self._model_json: dict[str, bytes] = {}  # model -> its JSON string (score_json's answer)
 
     def _table(self, lanes):
-        """The index's C table when the walk can run in C (native backend, or a wrapper of it),
-        else None."""
-        index = self.index
-        if _score_walk is None or len(lanes) > 16 or index.cap > 1024:
+        """The native backend's C table when the walk can run in C, else None (the walk then
+        goes through the Index role)."""
+        accel = self._accel
+        if accel is None or _score_walk is None or len(lanes) > 16 or accel.cap > 1024:
             return None
-        return index.native_table()
+        return accel.table
 
     def _pods_plan(self, plan: tuple) -> tuple:
         """score_pods' and score_json's plan for the endpoints' ``plan`` (rebuilt when that changes)."""
@@ -97,12 +99,11 @@ class Scorer:
         table = self._table(lanes)
         if table is not None:
             n_keys, segments, ends = _score_walk(table, toks, seed, self._bs, lanes, start)
-            index.matched_natively(n_keys)
             return toks, n_keys, stages, segments, ends, model, eps
         if type(toks) is array or type(toks) is memoryview:
             toks = toks.tolist()
         keys = chain_keys(toks, seed, self._bs)
-        segments, ends = index.match(keys, lanes, start)
+        segments, ends = index.match(keys, [t for t, _, _ in stages], [ep.slot for ep, _, f in eps if f > 0])
         return toks, len(keys), stages, segments, ends, model, eps
 
     def score(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
@@ -116,7 +117,6 @@ class Scorer:
             if table is not None:
                 out, top = _score_pods(table, toks, model_seed(model, lora_name), self._bs,
                                        self._pods_plan(plan), load)
-                self.index.matched_natively(len(toks) // self._bs)
                 self._count(len(toks), None if top is None else top.tokens_by_tier)
                 return out
         toks, n_keys, stages, segments, ends, model, eps = self._walk(tokens, lora_name, model)
@@ -179,7 +179,6 @@ class Scorer:
         res = _score_json(table, toks, model_seed(model, lora_name), self._bs, self._pods_plan(plan), model_json)
         if res is None:
             return None
-        self.index.matched_natively(len(toks) // self._bs)
         self._count(len(toks), res[1])
         return res[0]
 
@@ -206,11 +205,13 @@ class Scorer:
         toks = as_token_list(tokens)
         model = self.eps.model_for_query(model)
         keys = chain_keys(toks, model_seed(model, lora_name), self._bs)
-        stages, lanes, start, _eps = self.eps.plan(model)
-        segments, ends = self.index.match(keys, lanes, start)
-        C = self._bs
+        stages, _lanes, _start, plan_eps = self.eps.plan(model)
         index = self.index
-        mask = index.mask
+        tiers = [t for t, _, _ in stages]
+        segments, ends = index.match(keys, tiers, [ep.slot for ep, _, f in plan_eps if f > 0])
+        mine = [ep.slot for ep, _, _ in plan_eps]
+        alone_ends = {t: index.match(keys, [t], mine) for t in tiers}  # each tier by itself
+        C = self._bs
         out: dict[str, list[Explanation]] = {}
         for ep in sorted(self.eps, key=lambda e: (e.pod, e.rank)):
             if ep.model != model:
@@ -218,13 +219,8 @@ class Scorer:
             state, factor = self.eps.state_factor(ep)
             alone: dict[str, int] = {}
             for t, name, _w in stages:
-                bit = index.bit(t, ep.slot)
-                n = 0
-                for k in keys:
-                    if not (mask(k) or 0) & bit:
-                        break
-                    n += 1
-                alone[name] = n * C
+                held_segs, held_ends = alone_ends[t]
+                alone[name] = held_ends.get(ep.slot, 0) * C if ep.slot in held_segs else 0
             segs: list[TierMatch] = []
             seg = segments.get(ep.slot)
             end = ends.get(ep.slot, 0) if seg is not None else 0
@@ -243,13 +239,13 @@ class Scorer:
                           + (f"; the last {tail} tokens are not a full block" if tail else ""))
             else:
                 ended = end
-                m = mask(keys[end])
-                held = [name for t, name, _w in stages if (m or 0) & index.bit(t, ep.slot)]
+                at = keys[end: end + 1]
+                held = [name for t, name, _w in stages if index.match(at, [t], [ep.slot])[0]]
                 where = f"tokens {end * C}..{(end + 1) * C - 1}"
                 if held:
                     reason = (f"block {end} ({where}) is only in tier(s) {held}, above the tier the "
                               "match had moved down to")
-                elif m is None:
+                elif not index.match(at, range(len(self.eps.tiers)), [e.slot for e in self.eps])[0]:
                     reason = f"block {end} ({where}) is not indexed for any pod"
                 else:
                     reason = f"block {end} ({where}) is in no tier of this pod"

@@ -35,6 +35,8 @@ import msgspec
 
 from kvevents.errors import KVEventsError
 
+from .index import IndexImage
+
 # ``KVRouter`` in annotations is consumers.router.KVRouter, left a string (not imported, not even
 # under TYPE_CHECKING): the router imports this module, and the floor rules allow no circle.
 __all__ = ["SNAPSHOT_VERSION", "SnapshotError", "SnapshotInfo", "load_into", "save", "state_digest"]
@@ -112,13 +114,13 @@ def _from_u64le(data: bytes, what: str) -> list[int]:
 
 def _body(router: KVRouter, stream_seq: int | None) -> _Body:
     stats = router.stats  # (first: folds what the C path tallied)
-    idx = router.index
+    image = router.index.snapshot()
     eps = router.endpoints
     cfg = router.config
-    words = max(1, (idx.cap * idx.max_tiers + 63) // 64)
+    words = max(1, (image.width * cfg.max_tiers + 63) // 64)
     width = words * 8
     keys, masks, parents = [], bytearray(), []
-    for k, m, p in idx.items():
+    for k, m, p in image.records:
         keys.append(k)
         masks += m.to_bytes(width, "little")
         parents.append(_NOPAR if p is None else p)
@@ -134,10 +136,10 @@ def _body(router: KVRouter, stream_seq: int | None) -> _Body:
                 [[t, list(d.items())] for t, d in sorted(ep.odd_chunks.items())], sorted(ep.token_tiers),
                 ep.unreliable, _join_state(ep)] for ep in eps]
     pending = [[h, slot, tier, at] for (h, slot, tier), at in router.ingestor.pending.items()]
-    return _Body(stream_seq, cfg.block_size, idx.max_tiers, idx.cap, list(eps.tier_names), _u64le(keys), words,
+    return _Body(stream_seq, cfg.block_size, cfg.max_tiers, image.width, list(eps.tier_names), _u64le(keys), words,
                  bytes(masks), _u64le(parents), lmaps, [learned.size, learned.evicted], ep_rows,
                  list(eps.free_slots), eps.next_slot, dict(eps.pod_model), dict(eps.pub_pod), dict(eps.health),
-                 pending, [idx.evicted_keys, idx.evicted_entries], stats.as_dict())
+                 pending, [image.evicted_keys, image.evicted_entries], stats.as_dict())
 
 
 def save(router: KVRouter, stream_seq: int | None = None) -> bytes:
@@ -193,15 +195,12 @@ def load_into(router: KVRouter, data: bytes) -> SnapshotInfo:
                             f"{len(b.masks)} mask bytes of {width} per key")
     try:
         router._reset_parts()
-        idx = router.index
         eps = router.endpoints
-        if b.cap > idx.cap:
-            idx.grow(b.cap)
         fb = int.from_bytes
         masks = b.masks
-        idx.load([(k, fb(masks[i * width:(i + 1) * width], "little"), None if p == _NOPAR else p)
-                  for i, (k, p) in enumerate(zip(keys, parents))])
-        idx.evicted_keys, idx.evicted_entries = b.index_counts
+        router.index.restore(IndexImage(b.cap, [(k, fb(masks[i * width:(i + 1) * width], "little"),
+                                                 None if p == _NOPAR else p)
+                                                for i, (k, p) in enumerate(zip(keys, parents))], *b.index_counts))
         for name in b.tiers:
             eps.tier(name)
         if list(eps.tier_names) != b.tiers:
@@ -287,13 +286,14 @@ def state_digest(router: KVRouter) -> str:
     offload join's inferred chunk extents with the chunks it may still re-derive (estimates from
     evidence: a replayed offload that joins a hash the first pass held and then saw cancelled
     adds evidence the first pass never had; both estimates bound the same true extent)."""
-    idx = router.index
+    image = router.index.snapshot()
     eps = router.endpoints
     tiers = list(eps.tier_names)
-    owner = {t * idx.cap + ep.slot: (ep.pod, ep.rank, name) for ep in eps for t, name in enumerate(tiers)}
+    owner = {t * image.width + ep.slot: (ep.pod, ep.rank, name) for ep in eps if ep.slot < image.width
+             for t, name in enumerate(tiers)}
     h = hashlib.blake2b(digest_size=16)
     enc = msgspec.msgpack.Encoder()
-    for k, m, p in sorted(idx.items(), key=lambda it: it[0]):
+    for k, m, p in sorted(image.records, key=lambda it: it[0]):
         held = []
         while m:
             low = m & -m

@@ -239,7 +239,7 @@ def observe_router(router: Any, meter: Meter | None = None, *, refresh_interval:
     obs.add(meter, "kvevents.router.offload.chunk.extent",
             lambda: [(n, a(pod=p, tier=t)) for p, d in router.chunk_extents().items() for t, n in d.items()])
     obs.add(meter, "kvevents.router.offload.pending", simple(lambda: router.counters()["pending"]))
-    obs.add(meter, "kvevents.router.evicted", simple(lambda: router.index.evicted_entries))
+    obs.add(meter, "kvevents.router.evicted", simple(lambda: router.index.stats()["evicted_entries"]))
     counted = find_wrapper(router.index, InstrumentedIndex)  # RouterConfig.index_metrics
     if counted is not None:
         obs.add(meter, "kvevents.router.index.operations",

@@ -269,3 +269,33 @@ def test_every_source_path_the_docs_name_exists():
             if not (ROOT / path.rstrip("/")).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert not missing, "paths named in the docs that do not exist: " + "; ".join(missing)
+
+
+# --- the router's Index role (issue 25): a handful of verbs in routing terms ---------------------------------
+
+_STORAGE_WORDS = ("bit", "lane", "slot", "grow", "mask", "walk", "native", "table", "cap")
+
+
+def test_the_index_role_is_a_few_verbs_in_routing_terms():
+    from consumers.index import Index
+
+    verbs = sorted(Index.__abstractmethods__)
+    assert len(verbs) <= 8, verbs
+    assert not [v for v in verbs if any(w in v for w in _STORAGE_WORDS)], verbs
+    public = [n for n in dir(Index) if not n.startswith("_")]
+    assert not [n for n in public if any(w in n for w in _STORAGE_WORDS)], public
+
+
+def test_index_backends_are_siblings_and_decorators_hold_no_capability():
+    from consumers.index import INDEX_BACKENDS, Index
+    from consumers.instrumented import IndexDecorator, InstrumentedIndex, TracedIndex
+
+    backends = [INDEX_BACKENDS.get(n) for n in INDEX_BACKENDS.names()]
+    assert len(backends) >= 2
+    for a in backends:
+        assert issubclass(a, Index) and not a.__abstractmethods__
+        assert not [b for b in backends if b is not a and issubclass(a, b)], a
+    # the C table is the native backend's capability, asked for once by the router: a decorator
+    # forwards the verbs and nothing else
+    for d in (IndexDecorator, InstrumentedIndex, TracedIndex):
+        assert not [n for n in vars(d) if any(w in n for w in ("native", "table", "accelerator", "__getattr__"))], d

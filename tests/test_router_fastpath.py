@@ -37,6 +37,11 @@ def ehash(E, prefix):
     return hash(("E", E) + tuple(prefix)) & (2**64 - 1)
 
 
+def _records(image):
+    w = image.width
+    return [(k, sorted((b % w, b // w) for b in range(m.bit_length()) if m >> b & 1), p) for k, m, p in image.records]
+
+
 def state(r: KVRouter):
     stats = r.stats.as_dict()  # (first: the C path's tally folded in)
     idx = r.index
@@ -47,9 +52,8 @@ def state(r: KVRouter):
     )
     learned = r.learned
     return {
-        "masks": list(idx.masks.items()),  # the LRU order too
-        "parents": list(idx.parents.items()),
-        "counts": (idx.entries, idx.evicted_keys, idx.evicted_entries, idx.cap),
+        "index": _records(idx.snapshot()),  # holders and links, the LRU order too (through the Index role)
+        "counts": [idx.stats()[k] for k in ("entries", "keys", "evicted_keys", "evicted_entries")],
         "learned": {m: list(d.items()) for m, d in learned.maps.items()},
         "learned_size": (learned.size, learned.evicted),
         "odd": {m: o[0] for m, o in learned.odd.items()},
@@ -283,7 +287,7 @@ def index_ops(draw):
 @settings(max_examples=300, deadline=None)
 @given(sc=index_ops())
 def test_the_c_mask_table_index_behaves_as_the_dict_index(sc):
-    from consumers.index import BlockIndex
+    from consumers.maskindex import BlockIndex
     from consumers.nativeindex import NativeBlockIndex
 
     ops, budget = sc
@@ -292,15 +296,14 @@ def test_the_c_mask_table_index_behaves_as_the_dict_index(sc):
     for kind, keys, slot, tier, parent in ops:
         for idx in (a, b):
             slot_ = slot % idx.cap
-            bit = idx.bit(tier, slot_)
             if kind == "chain":
-                idx.add_chain(keys, bit, parent)
+                idx.store(slot_, tier, keys, parent)
             elif kind == "add":
-                idx.add(keys, bit)
+                idx.store(slot_, tier, keys, chain=False)
             elif kind == "remove":
-                idx.remove(keys, bit)
+                idx.remove(slot_, tier, keys)
             elif kind == "clear":
-                idx.clear_bits(idx.slot_bits(slot_))
+                idx.clear(slot_)
             elif idx.cap < 16:
                 idx.grow(idx.cap * 2)
         assert list(b.masks.items()) == list(a.masks.items())

@@ -105,9 +105,7 @@ _LORA = 0x5A5A_5A5A_5A5A_5A5A
 
 
 def _full(r: KVRouter) -> dict:
-    out = state(r)
-    out["parents"] = sorted(out["parents"])  # (the dict index's parents dict: its order is not state)
-    return out
+    return state(r)  # (links ride with their keys in the index's records: recency order, no dict order)
 
 
 def _scores(r: KVRouter, batches) -> list:
