@@ -45,8 +45,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("kvevents.router.offload.pending", UPDOWN, "{block}", "Offload events waiting for their GPU event.",
        (), "router", "len(pending)"),
     _m("kvevents.router.index.operations", COUNTER, "{call}",
-       "Calls made through the index role, by operation (lookups are match; the C ingest's direct writes "
-       "are the router's block counters instead). Only with RouterConfig.index_metrics.",
+       "Calls made through the index role, by operation (store, remove, clear, match, lineage, snapshot, "
+       "restore); the C ingest and the C score walk write and read the native table directly and are counted "
+       "by the router's block counters and lookups instead. Only with RouterConfig.index_metrics.",
        ("op",), "router", "InstrumentedIndex.calls"),
     _m("kvevents.router.evicted", COUNTER, "{entry}", "Index entries evicted by the entry budget.",
        (), "router", "index.evicted_entries"),
