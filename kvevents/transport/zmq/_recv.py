@@ -1,9 +1,8 @@
-"""Loads the optional C helper of the live path (:mod:`._zmqrecv`: a subscriber socket's drain,
-a publisher's group of sends, each in one call), bound to pyzmq's libzmq.
+"""Loads the optional C helper of the live path (:mod:`._zmqrecv`: a subscriber socket's drain
+in one call), bound to pyzmq's libzmq.
 
 ``NATIVE`` is the bound module, or None where it was not built or cannot find the libzmq this
-process loaded (then the subscriber reads frame by frame and the publisher sends frame by frame
-in Python: the same messages); ``STATUS``
+process loaded (then the subscriber reads frame by frame in Python: the same messages); ``STATUS``
 says which and why. ``KVEVENTS_ZMQRECV=0`` in the environment turns it off (A/B measurements,
 tests of the fallback).
 """

@@ -1,5 +1,4 @@
-/* kvevents.transport.zmq._zmqrecv: a subscriber's drain of one socket, and a publisher's live
- * sends of a group of batches, each in one call.
+/* kvevents.transport.zmq._zmqrecv: a subscriber's drain of one socket in one call.
  *
  * Why: a live batch is three frames [topic, seq, payload]. Read frame by frame from Python
  * (pyzmq's recv, then getsockopt(RCVMORE), which builds an enum per call) it cost ~3.2 us per
@@ -17,11 +16,6 @@
  *     left (dry True: EAGAIN on a message's first frame), or libzmq reports another error
  *     (errno, nonzero; the messages read before it are returned). The GIL is held: nothing
  *     here waits.
- * send_live(handle, items) -> (sent, nbytes, errno)
- *     The publisher's live path (kvevents/transport/zmq/publisher.py): items[k] = (seq, topic,
- *     payload, ...) goes out as [topic, seq (8 bytes big-endian), payload], in order, without
- *     waiting (a PUB socket drops at its high-water mark instead); stops at the first that
- *     fails (errno). Three pyzmq sends per batch cost ~2.4 us; here they cost the copies.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -100,57 +94,9 @@ static PyObject *zr_drain(PyObject *mod, PyObject *args) {
 }
 
 
-/* One frame: 0, or the libzmq errno. */
-static int send1(void *sock, const void *data, size_t n, int flags) {
-    while (Z.send(sock, data, n, flags) < 0) {
-        int e = Z.errno_();
-        if (e != EINTR)
-            return e;
-    }
-    return 0;
-}
-
-static PyObject *zr_send_live(PyObject *mod, PyObject *args) {
-    (void)mod;
-    PyObject *handle, *items;
-    if (!PyArg_ParseTuple(args, "OO!", &handle, &PyList_Type, &items))
-        return NULL;
-    void *sock = sock_of(handle);
-    if (!sock)
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(items), sent = 0;
-    long long nbytes = 0;
-    int err = 0;
-    for (; sent < n && !err; sent++) {
-        PyObject *it = PyList_GET_ITEM(items, sent);
-        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) < 3 || !PyBytes_Check(PyTuple_GET_ITEM(it, 1)) ||
-            !PyBytes_Check(PyTuple_GET_ITEM(it, 2)))
-            return PyErr_Format(PyExc_TypeError, "send_live: item %zd is not (seq, topic bytes, payload bytes, ...)", sent);
-        unsigned long long seq = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(it, 0));
-        if (seq == (unsigned long long)-1 && PyErr_Occurred())
-            return NULL;
-        unsigned char sb[8];
-        for (int i = 7; i >= 0; i--, seq >>= 8)
-            sb[i] = (unsigned char)(seq & 0xff);
-        PyObject *topic = PyTuple_GET_ITEM(it, 1), *payload = PyTuple_GET_ITEM(it, 2);
-        /* the first frame decides: once it is queued, the others of the message go too */
-        err = send1(sock, PyBytes_AS_STRING(topic), (size_t)PyBytes_GET_SIZE(topic), Z_DONTWAIT | Z_SNDMORE);
-        if (err)
-            break;
-        err = send1(sock, sb, 8, Z_DONTWAIT | Z_SNDMORE);
-        if (!err)
-            err = send1(sock, PyBytes_AS_STRING(payload), (size_t)PyBytes_GET_SIZE(payload), Z_DONTWAIT);
-        if (err)
-            break;
-        nbytes += PyBytes_GET_SIZE(payload);
-    }
-    return Py_BuildValue("(nLi)", sent, nbytes, err);
-}
-
 static PyMethodDef methods[] = {
     {"bind", zr_bind, METH_O, "bind(libzmq_path): use the libzmq loaded from that file"},
     {"drain", zr_drain, METH_VARARGS, "drain(handle, max) -> (messages, dry, errno)"},
-    {"send_live", zr_send_live, METH_VARARGS, "send_live(handle, items) -> (sent, nbytes, errno)"},
     {NULL, NULL, 0, NULL},
 };
 
