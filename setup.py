@@ -28,25 +28,5 @@ setup(
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
         ),
-        # the replay server's socket work off the GIL (kvevents/transport/zmq/_native.py falls back
-        # to Python without it)
-        Extension(
-            "kvevents.transport.zmq._zmqio",
-            sources=["kvevents/transport/zmq/_zmqio.c"],
-            depends=["kvevents/transport/zmq/_zmqlib.h"],
-            optional=True,
-            extra_compile_args=["-O2", "-Wall"],
-            libraries=["dl"],
-        ),
-        # the live path's socket work in one call: a subscriber's drain, a publisher's sends
-        # (kvevents/transport/zmq/_recv.py falls back to Python)
-        Extension(
-            "kvevents.transport.zmq._zmqrecv",
-            sources=["kvevents/transport/zmq/_zmqrecv.c"],
-            depends=["kvevents/transport/zmq/_zmqlib.h"],
-            optional=True,
-            extra_compile_args=["-O2", "-Wall"],
-            libraries=["dl"],
-        ),
     ]
 )

@@ -1,16 +1,14 @@
-"""Loads the optional C helper of the live path (:mod:`._zmqrecv`: a subscriber socket's drain
-in one call), bound to pyzmq's libzmq.
+"""The live path's socket reads and sends run in Python, through pyzmq's public API.
 
-``NATIVE`` is the bound module, or None where it was not built or cannot find the libzmq this
-process loaded (then the subscriber reads frame by frame in Python: the same messages); ``STATUS``
-says which and why. ``KVEVENTS_ZMQRECV=0`` in the environment turns it off (A/B measurements,
-tests of the fallback).
+``NATIVE`` is None: there is no C helper for the live path (a C drain bound to libzmq needs
+libzmq's headers and the very libzmq pyzmq loaded, which pyzmq's wheels do not offer to other
+extensions; ``benchmarks/NOTES.md`` has the measurements). It stays importable, with ``STATUS``,
+for the subscriber's drain, which checks it.
 """
 
 from __future__ import annotations
 
-from ._native import load_bound
-
 __all__ = ["NATIVE", "STATUS"]
 
-NATIVE, STATUS = load_bound("_zmqrecv", "KVEVENTS_ZMQRECV")
+NATIVE = None
+STATUS = "python (pyzmq's recv and send)"
