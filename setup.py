@@ -3,7 +3,8 @@
 ``consumers._fastpath`` speeds up the router's ingest and key hashing. It is optional: where
 no C compiler is available the build skips it and the router runs in pure Python
 (``consumers.fastpath_status()`` says which). ``manager.tiering._fsio`` is the fs tier's load
-path and CRC32C (needs zlib.h); without it the tier reads in Python (``stats()["native_io"]``).
+path and its one CRC32C routine (needs zlib.h); without it the tier reads in Python
+(``stats()["native_io"]``) and writes zlib's CRC32.
 """
 
 from setuptools import Extension, setup
