@@ -173,3 +173,30 @@ def test_a_well_behaved_client_gets_its_replay_while_a_flood_is_throttled() -> N
         flooder.join(10)
         legit.close(0)
         pub.shutdown()
+
+
+def test_a_client_that_never_reads_is_held_to_its_budget_by_the_chunks_it_has_not_taken() -> None:
+    """Small batches (pyzmq copies any send under its copy threshold, 64 KiB, and hands back a
+    tracker that is done at once): the last message of each chunk must still be tracked until
+    libzmq lets go of it, or the budget never fills and the whole ring goes out toward a client
+    that reads nothing, as far as its pipes and the kernel take it (before: every batch)."""
+    ep, rep = ipc_pair()
+    budget = 64 << 10
+    pub = ZmqEventPublisher(ep, rep, replay_client_bytes=budget, replay_stall_timeout=30.0)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        for i in range(2000):
+            pub.publish(batch(i, 40))
+        assert collect_until(lambda: pub.stats()["ring_batches"] == 2000)
+        assert pub.stats()["ring_bytes"] < 2000 * (64 << 10)  # every payload under the copy threshold
+        dealer.connect(rep)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert collect_until(lambda: pub.stats()["replay_outstanding_bytes"] >= budget)
+        st = pub.stats()  # past the budget nothing more is sent to it (until the stall timeout)
+        assert st["replays_completed"] == 0
+        assert st["replay_batches_served"] <= 2 * replay_mod.CHUNK  # the chunk that filled the budget
+        assert st["replay_outstanding_bytes"] <= budget + (320 << 10)  # + at most one chunk
+    finally:
+        dealer.close(0)
+        pub.shutdown()

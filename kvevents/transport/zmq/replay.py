@@ -403,8 +403,10 @@ class ReplayServer:
             sock.send(topic, _MORE)
             sock.send(seq.to_bytes(SEQ_BYTES, "big"), _MORE)
             if k == last:
-                # zero-copy and tracked: when ZeroMQ lets go of it, the whole chunk has left
-                tracker = sock.send(payload, 0, copy=False, track=True)
+                # zero-copy and tracked: when ZeroMQ lets go of it, the whole chunk has left. A
+                # Frame made with copy=False: send(copy=False) copies a payload under pyzmq's copy
+                # threshold (64 KiB) and returns a tracker that is done at once
+                tracker = sock.send(zmq.Frame(payload, track=True, copy=False), 0, copy=False, track=True)
             else:
                 sock.send(payload)
             nbytes += len(payload) + len(topic) + MSG_OVERHEAD
