@@ -214,10 +214,11 @@ def _env_names(paths) -> list[tuple[str, str]]:
         text = p.read_text(errors="replace")
         if p.suffix == ".py":
             for node in ast.walk(ast.parse(text, str(p))):
+                # a string that is a variable's name (prose that mentions one is not a read)
                 if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                    for name in re.findall(r"\bKVEVENTS_[A-Z0-9_]+", node.value):
-                        if re.fullmatch(r"\$?KVEVENTS_[A-Z0-9_]+", node.value.strip()):  # a name, not prose
-                            out.append((f"{_rel(p)}:{node.lineno}", name))
+                    m = re.fullmatch(r"\$?(KVEVENTS_[A-Z0-9_]+)", node.value.strip())
+                    if m:
+                        out.append((f"{_rel(p)}:{node.lineno}", m.group(1)))
         else:
             for n, line in enumerate(text.splitlines(), 1):
                 if re.search(r"\bgetenv\s*\(", line):
