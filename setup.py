@@ -3,7 +3,8 @@
 ``consumers._fastpath`` speeds up the router's ingest and key hashing. It is optional: where
 no C compiler is available the build skips it and the router runs in pure Python
 (``consumers.fastpath_status()`` says which). ``manager.tiering._fsio`` is the fs tier's load
-path and CRC32C (needs zlib.h); without it the tier reads in Python (``stats()["native_io"]``).
+path and its one CRC32C routine (needs zlib.h); without it the tier reads in Python
+(``stats()["native_io"]``) and writes zlib's CRC32.
 """
 
 from setuptools import Extension, setup
@@ -27,26 +28,6 @@ setup(
             libraries=["z"],
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
-        ),
-        # the replay server's socket work off the GIL (kvevents/transport/zmq/_native.py falls back
-        # to Python without it)
-        Extension(
-            "kvevents.transport.zmq._zmqio",
-            sources=["kvevents/transport/zmq/_zmqio.c"],
-            depends=["kvevents/transport/zmq/_zmqlib.h"],
-            optional=True,
-            extra_compile_args=["-O2", "-Wall"],
-            libraries=["dl"],
-        ),
-        # the live path's socket work in one call: a subscriber's drain, a publisher's sends
-        # (kvevents/transport/zmq/_recv.py falls back to Python)
-        Extension(
-            "kvevents.transport.zmq._zmqrecv",
-            sources=["kvevents/transport/zmq/_zmqrecv.c"],
-            depends=["kvevents/transport/zmq/_zmqlib.h"],
-            optional=True,
-            extra_compile_args=["-O2", "-Wall"],
-            libraries=["dl"],
         ),
     ]
 )

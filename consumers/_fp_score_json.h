@@ -57,7 +57,6 @@ static const uint64_t jw_ctl[9] = {
     0x0302010080808080ULL, 0x0403020100808080ULL, 0x0504030201008080ULL, 0x0605040302010080ULL,
     0x0706050403020100ULL};
 static int jw_ssse3 = -1; /* the CPU has SSSE3 (pshufb, pmaddubsw): checked on first use */
-#include <stdlib.h>         /* getenv */
 
 /* Up to 8 ints ahead of p in one 64-byte window of the common shape: numbers of 1 to 8
  * digits, each followed by "," or ", " (the shape json.dumps and most clients write). p: the
@@ -156,9 +155,7 @@ json_uint_array(const char *p, const char *stop, uint32_t *out, size_t *n)
 #ifdef JW_SIMD
     if (jw_ssse3 < 0) {
         __builtin_cpu_init();
-        /* KVEVENTS_NO_SIMD=1: the 8-byte loop alone, as on other CPUs (tests compare the two) */
-        const char *off = getenv("KVEVENTS_NO_SIMD");
-        jw_ssse3 = __builtin_cpu_supports("ssse3") && !(off && *off && strcmp(off, "0")) ? 1 : 0;
+        jw_ssse3 = __builtin_cpu_supports("ssse3") ? 1 : 0;
     }
 #endif
     for (;;) {

@@ -299,3 +299,74 @@ def test_index_backends_are_siblings_and_decorators_hold_no_capability():
     # forwards the verbs and nothing else
     for d in (IndexDecorator, InstrumentedIndex, TracedIndex):
         assert not [n for n in vars(d) if any(w in n for w in ("native", "table", "accelerator", "__getattr__"))], d
+# ---- one production path per operation: no hand-bound libraries, one fast-path switch (issue 25) ----
+
+#: every file that is built or shipped: the packages' sources and the build script
+_SOURCES = sorted(p for pkg in PACKAGES for ext in ("py", "c", "h", "pyx", "pxd") for p in (ROOT / pkg).rglob(f"*.{ext}"))
+_SOURCES.append(ROOT / "setup.py")
+#: the one switch between a C path and its Python reference, and the test harness's corpus place
+SWITCHES = {"KVEVENTS_PURE_PYTHON", "KVEVENTS_SHARED"}
+#: settings read from the environment that choose no code path (each says what it sets)
+SETTINGS = {
+    "KVEVENTS_TRACE_SAMPLE_EVERY": "the default trace sampling interval (kvevents.telemetry.sampling)",
+    "KVEVENTS_NATS_SERVER": "the nats-server binary the JetStream broker starts",
+    "KVEVENTS_CAPTURE": "the contract plugin's conformance capture directory",
+}
+
+
+def _rel(p: Path) -> str:
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+
+def _hand_binding_lines(paths) -> list[str]:
+    words = ("dl" + "open", "dl" + "sym")  # (spelt apart: this file is not one of the sources anyway)
+    return [f"{_rel(p)}:{n}: {line.strip()}" for p in paths
+            for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if any(w in line for w in words)]
+
+
+def test_no_library_is_bound_by_hand():
+    """Other libraries are reached through their supported routes (an import, a declared build
+    dependency), never by dlopen/dlsym of a file found at run time."""
+    assert _hand_binding_lines(_SOURCES) == []
+
+
+def test_the_hand_binding_check_finds_one(tmp_path):
+    bad = tmp_path / "x.c"
+    bad.write_text('void *h = dl' + 'open("libzmq.so", RTLD_NOW);\n')
+    assert len(_hand_binding_lines([bad])) == 1
+
+
+def _env_names(paths) -> list[tuple[str, str]]:
+    """(file:line, name) for every KVEVENTS_* variable a Python source names as a string, and
+    every getenv() of a C source (a C switch of any name)."""
+    out = []
+    for p in paths:
+        text = p.read_text(errors="replace")
+        if p.suffix == ".py":
+            for node in ast.walk(ast.parse(text, str(p))):
+                # a string that is a variable's name (prose that mentions one is not a read)
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    m = re.fullmatch(r"\$?(KVEVENTS_[A-Z0-9_]+)", node.value.strip())
+                    if m:
+                        out.append((f"{_rel(p)}:{node.lineno}", m.group(1)))
+        else:
+            for n, line in enumerate(text.splitlines(), 1):
+                if re.search(r"\bgetenv\s*\(", line):
+                    out.append((f"{_rel(p)}:{n}", "getenv"))
+    return out
+
+
+def test_kvevents_pure_python_is_the_only_fast_path_switch():
+    """No environment variable picks between twin implementations except KVEVENTS_PURE_PYTHON
+    (the C extension vs its Python reference); the others named are settings, listed above."""
+    unknown = [(where, name) for where, name in _env_names(_SOURCES) if name not in SWITCHES | SETTINGS.keys()]
+    assert unknown == []
+
+
+def test_the_switch_check_finds_python_and_c_switches(tmp_path):
+    py = tmp_path / "m.py"
+    py.write_text('import os\nFAST = os.environ.get("KVEVENTS_ZMQRECV", "1") != "0"\nOK = os.getenv("KVEVENTS_PURE_PYTHON")\n')
+    c = tmp_path / "m.h"
+    c.write_text('const char *off = getenv("KVEVENTS_NO_SIMD");\n')
+    found = _env_names([py, c])
+    assert [n for _, n in found if n not in SWITCHES] == ["KVEVENTS_ZMQRECV", "getenv"]

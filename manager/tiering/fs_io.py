@@ -14,11 +14,12 @@ bounce buffer only when ``O_DIRECT`` needs an alignment the slot lacks); the che
 then computed over the slot in place. A store is one ``pwritev`` of header page + slot into a
 temp file, renamed into place.
 
-Checksum kinds (each file's header says which): CRC32C, written wherever a fast
-implementation is present — ``google-crc32c``, the ``crc32c`` package, or this project's C
-extension :mod:`manager.tiering._fsio` (SSE4.2, a table where the CPU lacks it) — and zlib's
-CRC32 otherwise. Every process reads both kinds: a CRC32C file where no fast implementation
-exists is verified by a table-driven pure-Python CRC32C (slow, but correct).
+Checksum kinds (each file's header says which): CRC32C, written where this project's C
+extension :mod:`manager.tiering._fsio` is built (one routine: SSE4.2, a table where the CPU
+lacks it; the same one its load path verifies with), and zlib's CRC32 otherwise. Every process
+reads both kinds: a CRC32C file where the extension is not built is verified by
+:func:`crc32c_python`, the table-driven reference the tests compare the C routine with (slow,
+but correct).
 
 :data:`native` is the C extension (None where it was not built): its ``IOPool`` runs the
 load path above — open, ``preadv``, header and checksum checks — on C threads without the
@@ -82,37 +83,15 @@ except ImportError:  # not built (no compiler or no zlib.h): the Python path
     native = None
 
 
-def _load_crc32c() -> Callable[[Any], int] | None:
-    try:
-        import google_crc32c  # type: ignore[import-not-found]
-
-        value = google_crc32c.value
-        if google_crc32c.implementation == "c":
-
-            def g(data: Any) -> int:  # takes bytes or numpy arrays, not other buffers
-                return value(data if isinstance(data, bytes) else np.frombuffer(data, np.uint8))
-
-            return g
-    except ImportError:
-        pass
-    try:
-        import crc32c as _c  # type: ignore[import-not-found]
-
-        return _c.crc32c  # type: ignore[no-any-return]
-    except ImportError:
-        pass
-    return native.crc32c if native is not None else None
-
-
-#: CRC32C of a buffer, fast (None: no fast implementation here; files get CRC32).
-crc32c = _load_crc32c()
+#: CRC32C of a buffer, the C routine (None where the extension is not built; files get CRC32).
+crc32c: Callable[[Any], int] | None = native.crc32c if native is not None else None
 
 _CRC32C_TABLE: list[int] = []
 
 
 def crc32c_python(data: Any) -> int:
-    """CRC32C in pure Python, one table lookup per byte (~10 MB/s): only to verify CRC32C
-    files where no fast implementation exists."""
+    """CRC32C in pure Python, one table lookup per byte (~10 MB/s): the reference the C routine
+    is tested against, and the verifier of CRC32C files where the extension is not built."""
     table = _CRC32C_TABLE
     if not table:
         for i in range(256):

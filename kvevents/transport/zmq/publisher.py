@@ -40,7 +40,6 @@ from ...publisher_base import EventPublisher, PublisherStats, ShutdownReport, _R
 from .endpoints import offset_endpoint, should_bind, validate_endpoint
 from .frames import END_SEQ, pack_seq as _pack_seq
 from .replay import REQUEST_BURST, REQUEST_RATE, ReplayServer
-from ._recv import NATIVE as _NATIVE
 from .sched import batch_thread
 
 __all__ = ["ZmqEventPublisher", "OVERFLOW_POLICIES", "END_SEQ"]
@@ -49,19 +48,6 @@ SNDMORE = zmq.SNDMORE
 _yield_gil = time.sleep
 OVERFLOW_POLICIES = ("replay_only", "drop_oldest")
 _UNTRACED = object()  # the span token of a batch whose seq the hooks do not sample
-
-
-def _backend_send(sock: zmq.Socket):
-    """``sock.send`` without pyzmq's Python-level wrapper.
-
-    ``zmq.Socket.send`` is a Python method that only handles the DRAFT ``routing_id``/``group``
-    arguments (never used here) before calling its compiled base class's ``send``; calling that
-    base directly does the same send for ~40% fewer instructions per frame (callgrind). Any
-    other socket class (a subclass overriding ``send``) keeps its own ``send``.
-    """
-    if type(sock) is zmq.Socket:
-        return super(zmq.Socket, sock).send
-    return sock.send
 
 
 class ZmqEventPublisher(EventPublisher):
@@ -198,27 +184,7 @@ class ZmqEventPublisher(EventPublisher):
         """Queue ``batch``; returns at once. Raises RuntimeError after shutdown, TypeError on a non-batch."""
         if type(batch) is not KVEventBatch:
             raise TypeError(f"publish() expects a KVEventBatch, got {type(batch).__name__}")
-        # _enqueue(batch, None, None), inlined: this is the engine's cost per step. The lock is
-        # taken by acquire/release, not ``with``: CPython 3.11's ``with`` looks __enter__ and
-        # __exit__ up on every use (~2x the instructions)
-        lock = self._lock
-        lock.acquire()
-        try:
-            if self._closing:
-                raise RuntimeError("publish() after shutdown()")
-            seq = self._seq
-            self._seq = seq + 1
-            q = self._queue
-            if len(q) >= self.max_queue_size:
-                self._overflow(q)
-            q.append((seq, batch, self._topic_bytes))
-            hooks = self.hooks
-            if hooks is not None and not seq % hooks.every:
-                hooks.on_enqueue(seq)
-            if self._asleep:
-                self._wake_up()
-        finally:
-            lock.release()
+        self._enqueue(batch, None, None)
 
     def publish_raw(self, payload: bytes, seq: int | None = None, topic: str | None = None) -> None:
         """Queue an already encoded payload, optionally with its own seq (record/replay tools).
@@ -232,7 +198,12 @@ class ZmqEventPublisher(EventPublisher):
         self._enqueue(bytes(payload), seq, None if topic is None else topic.encode())
 
     def _enqueue(self, item, seq: int | None, topic: bytes | None) -> None:
-        with self._lock:
+        """Numbers ``item`` (or takes ``seq``) and queues it for the live thread: the engine's cost
+        per step. The lock is taken by acquire/release, not ``with``: CPython 3.11's ``with`` looks
+        __enter__ and __exit__ up on every use (~2x the instructions)."""
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._closing:
                 raise RuntimeError("publish() after shutdown()")
             if seq is None:
@@ -247,6 +218,8 @@ class ZmqEventPublisher(EventPublisher):
                 hooks.on_enqueue(seq)
             if self._asleep:
                 self._wake_up()
+        finally:
+            lock.release()
 
     def _overflow(self, q: deque) -> None:
         """The queue is full (lock held): the oldest batch leaves the live path, as the policy says."""
@@ -330,15 +303,15 @@ class ZmqEventPublisher(EventPublisher):
         """
         stats = self._stats
         ring = self._ring
-        items = ring.items
-        max_items, max_bytes = ring.max_items, ring.max_bytes
         hooks = self.hooks
         every = hooks.every if hooks is not None else 0
         token = None
         drop = self._drop_live
-        send = _backend_send(self._pub)
-        # a group's three sends per batch in one C call, where nothing has to run between them
-        send_live = _NATIVE.send_live if _NATIVE is not None and type(self._pub) is zmq.Socket else None
+        pub = self._pub
+        # pyzmq's exported backend class's send: zmq.Socket.send only adds the DRAFT routing_id /
+        # group arguments (never used here) in Python, +7.6% instructions per batch (NOTES.md);
+        # a subclass overriding send keeps its own
+        send = zmq.backend.Socket.send.__get__(pub) if type(pub) is zmq.Socket else pub.send
         # the encoder, one call deep, into a reused buffer: one copy out of it (bytes) instead
         # of msgspec's growing and shrinking a fresh bytes object per batch
         encode_into = None if self._encoder.legacy else self._encoder._enc.encode_into
@@ -368,19 +341,10 @@ class ZmqEventPublisher(EventPublisher):
                         if traced:
                             hooks.after_send(token, seq, b"", item, "encode_error")
                         continue
-                # into the ring before the socket (see _Ring); _Ring.append and trim, inlined
-                items.append((seq, topic, payload))
-                nbytes = ring.nbytes + len(payload)
-                while len(items) > max_items or nbytes > max_bytes:  # a full ring: every batch
-                    nbytes -= len(items.popleft()[2])
-                    stats.ring_evicted += 1
-                ring.nbytes = nbytes
+                ring.append(seq, topic, payload)  # into the ring before the socket (see _Ring)
                 ready.append((seq, topic, payload, item, token if traced else _UNTRACED))
             self._ready = ready
             self._sending = it = iter(ready)
-            if send_live is not None and drop is None and not every and ready and not self._closing:
-                self._send_group(send_live, ready)
-                self._sending = it = iter(())  # all sent: nothing left for the loop below
             for seq, topic, payload, item, token in it:
                 if self._closing and time.monotonic() > self._deadline:
                     rest = [(r[0], r[3], r[1]) for r in ready[len(ready) - _length_hint(it) - 1:]]
@@ -414,22 +378,6 @@ class ZmqEventPublisher(EventPublisher):
                 # never wait a whole switch interval (5 ms) behind this loop
                 _yield_gil(0)
         return False
-
-    def _send_group(self, send_live, ready: list) -> None:
-        """``ready``'s sends in one C call (no per-batch hooks, fault injection or shutdown
-        deadline to run between them); the same counters as the loop in ``_send_chunk``."""
-        stats = self._stats
-        handle = self._pub.underlying
-        done, n = 0, len(ready)
-        while done < n:
-            sent, nbytes, err = send_live(handle, ready[done:] if done else ready)
-            stats.batches_published += sent
-            stats.bytes_published += nbytes
-            stats.events_published += sum([len(r[3].events) for r in ready[done:done + sent]
-                                           if type(r[3]) is not bytes])
-            done += sent + (1 if err else 0)
-            if err:
-                stats.send_errors += 1  # that batch is not sent, as when a send raises ZMQError
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

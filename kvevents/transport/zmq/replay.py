@@ -34,17 +34,15 @@ began; batches evicted while a slow replay runs are skipped (the client sees the
 reports the gap). Frame shapes: :mod:`kvevents.transport.zmq.frames`.
 
 **The engine's GIL.** This thread shares the GIL with the engine thread calling ``publish()``.
-A hostile client can keep it busy all the time (thousands of malformed requests a second, the
-whole ring asked for again and again), so its work per message must not hold the GIL: with the C
-helper (:mod:`._native`) a burst of up to ``RECV_BURST`` requests is received and checked, and a
-whole chunk is sent, in one call with the GIL released; the ring is read through a mirror list
-kept in step with it (:mod:`.mirror`), never copied whole while replays run. Without the
-helper the same work runs in Python.
+A hostile client could keep it busy all the time (thousands of malformed requests a second, the
+whole ring asked for again and again), so its work is bounded: the global cap above limits the
+messages read a second, the per-client buckets and byte bounds limit what is sent, the thread
+never preempts the engine's (:mod:`.sched`), and the ring is read through a mirror list kept in
+step with it (:mod:`.mirror`), never copied whole while replays run.
 """
 
 from __future__ import annotations
 
-import errno
 import threading
 import time
 from bisect import bisect_left
@@ -56,7 +54,6 @@ from typing import Any
 import zmq
 
 from ...publisher_base import PublisherStats, _Ring
-from ._native import NATIVE
 from .frames import END_SEQ, SEQ_BYTES, parse_replay_request
 from .mirror import RingMirror as _Mirror
 from .sched import batch_thread, lower_io_threads, threads
@@ -70,8 +67,6 @@ CHUNK = 64
 CHUNK_BYTES = 256 << 10
 #: libzmq's own bookkeeping per queued message (msg_t structs, pipe slot), counted with its bytes
 MSG_OVERHEAD = 5 * 64
-#: most requests received in one call of the C helper
-RECV_BURST = 256
 #: the global cap: messages read a second, all clients together, and the bucket's depth
 REQUEST_RATE = 1000.0
 REQUEST_BURST = 1000
@@ -214,8 +209,6 @@ class ReplayServer:
         deferred: set[bytes] = set()  # identities whose pending request was already counted as limited
         replays: dict[bytes, _Replay] = {}
         mirror = self._mirror
-        native = NATIVE
-        handle = sock.underlying if native is not None else 0
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         busy = False  # a replay could send at once
@@ -242,13 +235,6 @@ class ReplayServer:
                 incoming = ()
                 if not busy:
                     time.sleep(min(timeout / 1000, (resume - tokens) / rate))
-            elif native is not None:
-                # waits, receives and checks off the GIL: malformed requests never wake this thread
-                incoming, malformed, err = native.poll_requests(handle, timeout, RECV_BURST, int(tokens))
-                stats.replay_malformed += malformed
-                tokens -= len(incoming) + malformed
-                if err:
-                    raise zmq.ZMQError(err)
             else:
                 incoming, read = self._requests(int(tokens)) if poller.poll(timeout) else ((), 0)
                 tokens -= read
@@ -318,7 +304,6 @@ class ReplayServer:
         """One chunk to each replay that may send; True if any could send more at once."""
         stats = self._stats
         busy = False
-        jobs = []  # with the C helper: (replay, chunk) to send in one call at the end of the round
         for ident, r in list(replays.items()):
             self._release(r, now)
             if r.cursor is None:
@@ -335,11 +320,6 @@ class ReplayServer:
                     r.cursor = None
                     self._finished(r)
                 continue
-            if NATIVE is not None and not r.ending:
-                chunk = self._chunk(r)
-                if chunk:
-                    jobs.append((r, chunk))
-                    continue
             try:
                 more = self._send_chunk(r)
             except zmq.Again:  # its pipe is at SNDHWM: nothing of this message was queued
@@ -349,13 +329,6 @@ class ReplayServer:
                 continue
             r.progress = now
             busy = busy or more
-        if jobs and not self._closing:
-            results = NATIVE.send_round(self._sock.underlying, [(r.ident, chunk) for r, chunk in jobs], MSG_OVERHEAD)
-            for (r, chunk), result in zip(jobs, results):
-                more = self._sent(r, chunk, *result)
-                if more is not None:
-                    r.progress = now
-                    busy = busy or more
         return busy
 
     def _abort(self, r: _Replay) -> None:
@@ -430,8 +403,10 @@ class ReplayServer:
             sock.send(topic, _MORE)
             sock.send(seq.to_bytes(SEQ_BYTES, "big"), _MORE)
             if k == last:
-                # zero-copy and tracked: when ZeroMQ lets go of it, the whole chunk has left
-                tracker = sock.send(payload, 0, copy=False, track=True)
+                # zero-copy and tracked: when ZeroMQ lets go of it, the whole chunk has left. A
+                # Frame made with copy=False: send(copy=False) copies a payload under pyzmq's copy
+                # threshold (64 KiB) and returns a tracker that is done at once
+                tracker = sock.send(zmq.Frame(payload, track=True, copy=False), 0, copy=False, track=True)
             else:
                 sock.send(payload)
             nbytes += len(payload) + len(topic) + MSG_OVERHEAD
@@ -450,28 +425,6 @@ class ReplayServer:
         r.chunks.append((tracker, nbytes))
         r.outstanding += nbytes
         self._stats.replay_outstanding_bytes += nbytes
-
-    def _sent(self, r: _Replay, chunk: list, sent: int, nbytes: int, tracker, err: int) -> bool | None:
-        """Account what the C helper sent of ``r``'s chunk (as ``_send_chunk`` does): True if more of
-        ``r`` is ready to go, None if nothing went."""
-        stats = self._stats
-        if sent:
-            r.cursor = chunk[sent - 1][0] + 1
-            r.served += sent
-            stats.replay_batches_served += sent
-        if err:
-            if err != errno.EAGAIN:  # EHOSTUNREACH: the client went away
-                self._abort(r)
-                return None
-            if not sent:  # its pipe is at SNDHWM: nothing of this message was queued
-                return None
-            self._hold(r, None, nbytes)  # what did go is accounted, released with the next chunk
-            return False
-        if tracker is not None:
-            self._hold(r, tracker, nbytes)
-        if r.cursor is not None and r.cursor > r.end:
-            r.ending = True
-        return True
 
     def _finished(self, r: _Replay) -> None:
         hooks = self._hooks()
