@@ -149,6 +149,10 @@ class TieringOffloadingManager(OffloadingManager):
             return _RETRY
         return _MISS
 
+    def promoting_from(self, key: OffloadKey) -> int | None:
+        """The index of the tier ``key`` is being promoted from, or None (not in flight)."""
+        return self._promoting.get(key)
+
     def prepare_load(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return self.primary.prepare_load(keys, req_context)
 
