@@ -115,6 +115,13 @@ class RegionBlockIO(BlockIO):
         self._sizes = [self.k * r.shape[1] for r in self.regions]
         self.block_nbytes = sum(self._sizes)
 
+    def contiguous(self) -> np.ndarray | None:
+        """The buffer as one ``[num_blocks, block_nbytes]`` array where it is one (a single
+        region on a single rank), else None."""
+        if len(self.regions) != 1:
+            return None
+        return self.regions[0].reshape(self.num_blocks, -1)
+
     def _check(self, block_id: int) -> int:
         b = int(block_id)
         if not 0 <= b < self.num_blocks:

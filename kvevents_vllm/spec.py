@@ -27,13 +27,15 @@ from vllm.v1.kv_offload.base import OffloadingSpec as VllmOffloadingSpec
 
 from kvevents.errors import ConfigError
 
-from . import SPEC_NAME
 from .config import PluginConfig, parse_extra_config
 from .versions import check_vllm_version
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVEventsOffloadingSpec", "register_spec"]
+__all__ = ["SPEC_NAME", "KVEventsOffloadingSpec", "register_spec"]
+
+#: the name vLLM's OffloadingSpecFactory knows our spec by (``"spec_name"``)
+SPEC_NAME = "KVEventsOffloadingSpec"
 
 
 def _check_tiers(cfg: PluginConfig) -> None:
@@ -88,9 +90,11 @@ class KVEventsOffloadingSpec(VllmOffloadingSpec):
             from .manager_adapter import KVEventsManagerAdapter
 
             cfg = self.plugin_config
+            # a vLLM-written tier is built with vLLM's signature: it gets this spec
+            tiers = [dict(t, offloading_spec=self) if t.get("type") == "vllm" else t for t in cfg.secondary_tiers]
             ours = CPUOffloadingSpec(self._need_chunks(), cache_policy=cfg.eviction_policy,
                                      enable_events=self.kv_events_config.enable_kv_cache_events,
-                                     secondary_tiers=cfg.secondary_tiers, strict=cfg.strict)
+                                     secondary_tiers=tiers, strict=cfg.strict)
             inner = ours.get_manager()
             self._manager = KVEventsManagerAdapter(inner, bind=self._binder(inner) if cfg.secondary_tiers else None)
         return self._manager
