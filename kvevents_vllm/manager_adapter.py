@@ -5,7 +5,8 @@ What changes at the boundary, and nothing else (our manager's behaviour is untou
 - request contexts: vLLM's ``ReqContext`` -> ours (made once per request, kept in vLLM's
   per-request state);
 - ``LookupResult`` / ``OffloadPolicy`` members mapped by meaning (ours ``BLOCK_LEVEL`` is vLLM's
-  ``CHUNK_LEVEL``; ours never answers ``HIT_PENDING``);
+  ``CHUNK_LEVEL``; our ``RETRY`` for a block being stored or promoted into the CPU tier is vLLM's
+  ``HIT_PENDING``, any other ``RETRY`` stays ``RETRY``);
 - load/store specs: our ``LoadStoreSpec`` (medium + int64 ids) -> vLLM's ``CPULoadStoreSpec``;
 - events: our ``OffloadingEvent(keys, medium: str, removed)`` -> vLLM's, with ``Medium`` (CPU for
   the primary tier, STORAGE for a secondary tier), ``Locality.LOCAL`` and ``ownership`` (None for
@@ -50,6 +51,9 @@ class KVEventsManagerAdapter(VManager):
         self._bind = bind
         self._bound = bind is None
         self._tiering = inner if isinstance(inner, TieringOffloadingManager) else None
+        self._primary: Any = self._tiering.primary if self._tiering is not None else inner
+        #: vLLM's managers name their medium (Medium.CPU for a CPU tier and the tiers behind it)
+        self.medium = Medium.CPU
         # our medium string -> (vLLM medium, ownership)
         self._media: dict[str, tuple[Medium, str | None]] = {inner.medium: (Medium.CPU, None)}
         for tier in (self._tiering.tiers if self._tiering else ()):
@@ -73,9 +77,17 @@ class KVEventsManagerAdapter(VManager):
     # -- lookups and loads -----------------------------------------------------------------
     def lookup(self, key: Any, req_context: VReqContext) -> VLookup:
         result = self.inner.lookup(key, self.ours(req_context))
-        if result is LookupResult.RETRY and self._tiering is not None and self._tiering.promoting_from(key) is not None:
+        if result is not LookupResult.RETRY:
+            return _LOOKUP[result]
+        # ours answers RETRY for "ask again later"; vLLM tells apart a block that is found but
+        # not readable yet (HIT_PENDING: being stored into, or promoted into, the CPU tier)
+        if self._tiering is not None and self._tiering.promoting_from(key) is not None:
             self._promoted[key] = CacheHitSource.DISK
-        return _LOOKUP[result]
+            return VLookup.HIT_PENDING
+        block_id = getattr(self._primary, "block_id", None)  # present, whether ready or being written
+        if block_id is not None and block_id(key) is not None:
+            return VLookup.HIT_PENDING
+        return VLookup.RETRY
 
     def get_load_source(self, key: Any, req_context: VReqContext) -> CacheHitSource:
         return self._promoted.pop(key, CacheHitSource.HOST)

@@ -84,15 +84,17 @@ class VllmTier(SecondaryTierManager):
 
     def __init__(self, tier_type: str = "vllm", *, module_path: str | None = None, class_name: str | None = None,
                  vllm_type: str | None = None, offloading_spec: Any = None, block_io: BlockIO | None = None,
-                 medium: str | None = None, enable_events: bool = True, **tier_config: Any) -> None:
-        self.vllm_class = _vllm_class(module_path, class_name, vllm_type)
+                 medium: str | None = None, enable_events: bool = True, tier: VllmSecondaryTier | None = None,
+                 **tier_config: Any) -> None:
+        # ``tier``: a vLLM tier built already (vLLM's own TieringOffloadingManager signature)
+        self.vllm_class = type(tier) if tier is not None else _vllm_class(module_path, class_name, vllm_type)
         vmedium = getattr(self.vllm_class, "medium", None)
         super().__init__(tier_type, medium=medium or (vmedium.value if vmedium is not None else "STORAGE"),
                          enable_events=enable_events)
         self.vllm_type = vllm_type or tier_type
         self.offloading_spec = offloading_spec
         self.tier_config = tier_config
-        self.inner: VllmSecondaryTier | None = None
+        self.inner: VllmSecondaryTier | None = tier
         self._contexts: dict[str, VReqContext] = {}
         self._anonymous = VReqContext(req_id="")
         self.partial_results = 0  # vLLM results with successful_keys (reported failed)
