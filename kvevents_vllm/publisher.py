@@ -6,7 +6,9 @@ through :class:`KVEventsPublisher` instead of vLLM's ``ZmqEventPublisher``. The 
 (PUB frames ``[topic, seq, payload]``, the replay ROUTER protocol); what changes is what the
 engine pays and risks: ``publish()`` never blocks the scheduler (vLLM's waits on a full queue),
 the replay ring is bounded in bytes as well as batches, replays are served by their own thread
-and rate-limited per client, and every batch that misses the live path is counted.
+and rate-limited per client, and every batch that misses the live path is counted. vLLM exports
+no publisher counters, so a watch thread logs a warning naming each loss counter that grew
+(every ``WATCH_INTERVAL`` seconds, only when one did) and the totals are logged at shutdown.
 
 vLLM's ``EventPublisherFactory`` calls the constructor with ``data_parallel_rank`` and every
 field of vLLM's ``KVEventsConfig`` but ``publisher`` / ``enable_kv_cache_events``. Each maps to
@@ -24,6 +26,7 @@ scheduler's thread (a few microseconds a step), then handed to our publisher's q
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import msgspec
@@ -41,6 +44,11 @@ logger = logging.getLogger("vllm.kvevents_vllm.publisher")
 
 #: vLLM KVEventsConfig fields the factory passes, each handed to our publisher under its name
 MAPPED_FIELDS = ("endpoint", "replay_endpoint", "buffer_steps", "hwm", "max_queue_size", "topic")
+#: counters whose growth is logged (a warning naming each) by the watch thread
+LOSS_COUNTERS = ("overflow", "overflow_lost", "encode_errors", "send_errors", "ring_evicted",
+                 "replay_aborted", "replay_refused")
+#: seconds between two looks of the watch thread at those counters
+WATCH_INTERVAL = 10.0
 
 _registered = False
 
@@ -63,6 +71,11 @@ class KVEventsPublisher(vllm_kv_events.EventPublisher):
             **{k: config[k] for k in ("buffer_steps", "hwm", "max_queue_size", "topic") if k in config})
         logger.info("kvevents publisher: events on %s, replay on %s (data parallel rank %d)",
                     self._pub.endpoint, self._pub.replay_endpoint, data_parallel_rank)
+        # vLLM exports nothing of a publisher's: what missed the live path is logged as it grows
+        self._seen = {k: 0 for k in LOSS_COUNTERS}
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._watch_loop, name="kvevents-pub-watch", daemon=True)
+        self._watch.start()
 
     def publish(self, events: Any) -> None:
         """Queue one of vLLM's ``KVEventBatch``es; never blocks (the overflow policy decides)."""
@@ -70,7 +83,23 @@ class KVEventsPublisher(vllm_kv_events.EventPublisher):
             events.data_parallel_rank = self._data_parallel_rank
         self._pub.publish_raw(self._encoder.encode(events))
 
+    def check_counters(self) -> dict[str, int]:
+        """Log one warning naming every loss counter that grew since the last look; the growth."""
+        stats = self._pub.stats()
+        grown = {k: stats[k] - self._seen[k] for k in LOSS_COUNTERS if stats[k] > self._seen[k]}
+        if grown:
+            self._seen.update({k: stats[k] for k in grown})
+            logger.warning("kvevents publisher: %s (totals: %s)",
+                           ", ".join(f"{k} +{v}" for k, v in grown.items()),
+                           ", ".join(f"{k} {stats[k]}" for k in LOSS_COUNTERS))
+        return grown
+
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL):
+            self.check_counters()
+
     def shutdown(self) -> None:
+        self._stop.set()
         report = self._pub.shutdown()
         stats = self._pub.stats()
         lost = stats["overflow_lost"] + stats["encode_errors"] + stats["send_errors"] + report.unsent

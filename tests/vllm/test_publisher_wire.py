@@ -97,10 +97,10 @@ def test_our_subscriber_follows_it_live_and_by_replay() -> None:
     pub.publish(first)  # before anyone listens: the subscriber's late join replays it
     sub = Subscriber([PublisherSpec(ep, rep, "pod")], late_join=True)
     try:
-        got, deadline = [], time.monotonic() + 20
+        seen, deadline = [], time.monotonic() + 20
         published = False
-        while len(got) < 3 and time.monotonic() < deadline:
-            got += [d for d in sub.poll(100) if d.kind is DeliveryKind.BATCH]
+        while len(got := [d for d in seen if d.kind is DeliveryKind.BATCH]) < 3 and time.monotonic() < deadline:
+            seen += sub.poll(100)
             if got and not published:
                 for b in rest:
                     pub.publish(b)
@@ -111,7 +111,8 @@ def test_our_subscriber_follows_it_live_and_by_replay() -> None:
         assert [type(e).__name__ for e in got[1].batch.events] == ["BlockStored", "BlockRemoved"]
         assert type(got[2].batch.events[0]).__name__ == "AllBlocksCleared"
         assert all(d.batch.data_parallel_rank == 0 for d in got)
-        assert sub.health()["pod"].gaps == 0
+        # live and late-join replay may race (a gap the replay heals); nothing is lost or reset
+        assert [d.kind for d in seen] == [DeliveryKind.BATCH] * 3
     finally:
         sub.close()
         pub.shutdown()
@@ -137,3 +138,22 @@ def test_publish_after_shutdown_raises() -> None:
     pub.shutdown()
     with pytest.raises(RuntimeError):
         pub.publish(vllm_batches()[0])
+
+
+def test_loss_counters_that_grow_are_logged_by_name(caplog) -> None:
+    import logging
+
+    pub = KVEventsPublisher(data_parallel_rank=0, endpoint=f"tcp://127.0.0.1:{free_port()}")
+    log = logging.getLogger("vllm.kvevents_vllm.publisher")
+    log.addHandler(caplog.handler)  # vLLM's "vllm" logger does not propagate to the root
+    try:
+        assert pub.check_counters() == {}
+        pub._pub._stats.overflow += 3  # as the live path would count a full queue
+        pub._pub._stats.overflow_lost += 1
+        assert pub.check_counters() == {"overflow": 3, "overflow_lost": 1}
+        assert pub.check_counters() == {}  # logged once per growth
+        lines = [r.getMessage() for r in caplog.records if r.name == log.name]
+        assert any("overflow +3, overflow_lost +1" in m for m in lines)
+    finally:
+        log.removeHandler(caplog.handler)
+        pub.shutdown()
