@@ -36,12 +36,14 @@ from vllm.distributed import kv_events as vllm_kv_events
 from kvevents.errors import ConfigError
 from kvevents.transport.zmq.publisher import ZmqEventPublisher
 
-from . import PUBLISHER_NAME
 from ._config_compat import accept_publisher_name
 
 # under "vllm." so the lines go where vLLM's own log lines go (vLLM configures that logger)
 logger = logging.getLogger("vllm.kvevents_vllm.publisher")
 
+#: the name in ``"publisher": ...`` (``kvevents_vllm.PUBLISHER_NAME``, kept here too: the package
+#: must not be imported back by the module it loads lazily)
+PUBLISHER_NAME = "kvevents"
 #: vLLM KVEventsConfig fields the factory passes, each handed to our publisher under its name
 MAPPED_FIELDS = ("endpoint", "replay_endpoint", "buffer_steps", "hwm", "max_queue_size", "topic")
 #: counters whose growth is logged (a warning naming each) by the watch thread

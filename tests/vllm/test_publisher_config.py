@@ -21,8 +21,9 @@ from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import EventPublisherFactory
 
 from kvevents.errors import ConfigError, EndpointError
-from kvevents_vllm import PUBLISHER_NAME, _config_compat
-from kvevents_vllm.publisher import KVEventsPublisher, register_publisher
+import kvevents_vllm
+from kvevents_vllm import _config_compat
+from kvevents_vllm.publisher import PUBLISHER_NAME, KVEventsPublisher, register_publisher
 from kvevents_vllm.versions import SUPPORTED
 
 from .engine import free_port
@@ -48,6 +49,10 @@ def _parser():
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     register_publisher()
+
+
+def test_one_name() -> None:
+    assert PUBLISHER_NAME == kvevents_vllm.PUBLISHER_NAME == "kvevents"
 
 
 def test_tested_release() -> None:
