@@ -9,7 +9,8 @@ socket; ``kvevents router --proxy`` follows it. Asserted against vLLM's own coun
   send (through the router's proxy);
 - the engine restarts (same ports): the router sees the new run (a reset), drops what the old
   run held -- its score for the old prompt is 0, which vLLM's counter confirms -- and scores
-  the new run's blocks as vLLM hits them.
+  the new run's blocks as vLLM hits them;
+- a setting our publisher cannot use stops vLLM's start-up with one line naming it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import json
 
 import pytest
 
-from .engine import BLOCK, Router, free_port, hits_of, hits_since, start_engine, wait_for, words
+from .engine import (BLOCK, EngineFailed, Router, free_port, hits_of, hits_since, launch_engine, start_engine,
+                     wait_for, words)
 from .test_publisher_wire import replay_all
 
 MODEL = "tiny-kv"
@@ -127,3 +129,17 @@ def test_engine_restart(engine, router, tiny_model, engine_log_dir, ports) -> No
     before = e.metrics()
     assert _proxy(r, old_prompt) == ("pod", 512)
     assert hits_since(e, before) == 512
+
+
+def test_a_bad_setting_stops_vllm_with_one_line_naming_it(tiny_model, engine_log_dir) -> None:
+    e = launch_engine(tiny_model, ["--kv-events-config", json.dumps(
+        {"enable_kv_cache_events": True, "publisher": "kvevents", "endpoint": "tcp://*:0"})],
+        log_dir=engine_log_dir)
+    try:
+        with pytest.raises(EngineFailed):
+            e.wait_healthy()
+    finally:
+        e.stop()
+    assert e.proc.returncode != 0
+    log = e.log_path.read_text(errors="replace")
+    assert "kvevents.errors.EndpointError: endpoint 'tcp://*:0' has an invalid port '0'" in log
