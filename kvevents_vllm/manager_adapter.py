@@ -2,12 +2,13 @@
 
 What changes at the boundary, and nothing else (our manager's behaviour is untouched):
 
-- request contexts: vLLM's ``ReqContext`` -> ours (made once per request, kept in vLLM's
-  per-request state);
+- request contexts: vLLM's ``ReqContext`` is handed on as it is (it has the fields ours reads,
+  ``req_id`` and ``kv_transfer_params``);
 - ``LookupResult`` / ``OffloadPolicy`` members mapped by meaning (ours ``BLOCK_LEVEL`` is vLLM's
   ``CHUNK_LEVEL``; our ``RETRY`` for a block being stored or promoted into the CPU tier is vLLM's
   ``HIT_PENDING``, any other ``RETRY`` stays ``RETRY``);
-- load/store specs: our ``LoadStoreSpec`` (medium + int64 ids) -> vLLM's ``CPULoadStoreSpec``;
+- load/store specs: our ``LoadStoreSpec`` (medium + int64 ids) -> vLLM's ``CPULoadStoreSpec``
+  (over the same int64 ids);
 - events: our ``OffloadingEvent(keys, medium: str, removed)`` -> vLLM's, with ``Medium`` (CPU for
   the primary tier, STORAGE for a secondary tier), ``Locality.LOCAL`` and ``ownership`` (None for
   the primary tier, the tier's type for a secondary tier);
@@ -33,11 +34,23 @@ from vllm.v1.kv_offload.base import RequestOffloadingContext as VRequestContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from manager.base import LookupResult, OffloadingManager, OffloadPolicy, ReqContext
+from manager.base import LookupResult, OffloadingManager, OffloadPolicy
 from manager.tiering import TieringOffloadingManager
 
-_LOOKUP = {LookupResult.HIT: VLookup.HIT, LookupResult.MISS: VLookup.MISS, LookupResult.RETRY: VLookup.RETRY}
-_POLICY = {OffloadPolicy.BLOCK_LEVEL: VPolicy.CHUNK_LEVEL, OffloadPolicy.REQUEST_LEVEL: VPolicy.REQUEST_LEVEL}
+_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+_LOCAL = Locality.LOCAL
+_V_HIT, _V_MISS, _V_PENDING, _V_RETRY = VLookup.HIT, VLookup.MISS, VLookup.HIT_PENDING, VLookup.RETRY
+#: one vLLM request context per policy, shared: vLLM's connector only reads its ``policy``
+_CONTEXTS = {OffloadPolicy.BLOCK_LEVEL: VRequestContext(policy=VPolicy.CHUNK_LEVEL),
+             OffloadPolicy.REQUEST_LEVEL: VRequestContext(policy=VPolicy.REQUEST_LEVEL)}
+
+
+def _cpu_spec(block_ids: Any) -> CPULoadStoreSpec:
+    """vLLM's CPU spec over our int64 ids as they are (its constructor copies them into int32;
+    our worker reads either)."""
+    spec = CPULoadStoreSpec.__new__(CPULoadStoreSpec)
+    spec.block_ids = block_ids
+    return spec
 
 
 class KVEventsManagerAdapter(VManager):
@@ -59,16 +72,12 @@ class KVEventsManagerAdapter(VManager):
         for tier in (self._tiering.tiers if self._tiering else ()):
             self._media.setdefault(tier.medium, (Medium.STORAGE, getattr(tier, "tier_type", None)))
         self._promoted: dict[bytes, CacheHitSource] = {}
+        self._lookup = inner.lookup  # (the hottest call: one attribute lookup less per key)
         self.unknown_media = 0  # events in a medium no tier declared (sent as STORAGE)
 
     # -- contexts --------------------------------------------------------------------------
-    @staticmethod
-    def ours(req_context: VReqContext) -> ReqContext:
-        ctx = req_context.get_state(ReqContext)
-        if ctx is None:
-            ctx = ReqContext(req_context.req_id, req_context.kv_transfer_params)
-            req_context.set_state(ctx)
-        return ctx
+    # vLLM's ReqContext has our ReqContext's fields (req_id, kv_transfer_params): our managers
+    # read only those, so vLLM's is handed on as it is (no per-call conversion).
 
     def _ensure_bound(self) -> None:
         if not self._bound and self._bind is not None:
@@ -76,65 +85,73 @@ class KVEventsManagerAdapter(VManager):
 
     # -- lookups and loads -----------------------------------------------------------------
     def lookup(self, key: Any, req_context: VReqContext) -> VLookup:
-        result = self.inner.lookup(key, self.ours(req_context))
-        if result is not LookupResult.RETRY:
-            return _LOOKUP[result]
+        result = self._lookup(key, req_context)
+        if result is _HIT:
+            return _V_HIT
+        if result is _MISS:
+            return _V_MISS
         # ours answers RETRY for "ask again later"; vLLM tells apart a block that is found but
         # not readable yet (HIT_PENDING: being stored into, or promoted into, the CPU tier)
         if self._tiering is not None and self._tiering.promoting_from(key) is not None:
             self._promoted[key] = CacheHitSource.DISK
-            return VLookup.HIT_PENDING
+            return _V_PENDING
         block_id = getattr(self._primary, "block_id", None)  # present, whether ready or being written
         if block_id is not None and block_id(key) is not None:
-            return VLookup.HIT_PENDING
-        return VLookup.RETRY
+            return _V_PENDING
+        return _V_RETRY
 
     def get_load_source(self, key: Any, req_context: VReqContext) -> CacheHitSource:
         return self._promoted.pop(key, CacheHitSource.HOST)
 
     def prepare_load(self, keys: Collection[Any], req_context: VReqContext) -> CPULoadStoreSpec:
-        spec = self.inner.prepare_load(list(keys), self.ours(req_context))
-        return CPULoadStoreSpec(spec.block_ids)
+        spec = self.inner.prepare_load(keys, req_context)
+        return _cpu_spec(spec.block_ids)
 
     def touch(self, keys: Collection[Any], req_context: VReqContext) -> None:
-        self.inner.touch(list(keys), self.ours(req_context))
+        self.inner.touch(keys, req_context)
 
     def complete_load(self, keys: Collection[Any], req_context: VReqContext) -> None:
-        for key in keys:
-            self._promoted.pop(key, None)
-        self.inner.complete_load(list(keys), self.ours(req_context))
+        if self._promoted:
+            for key in keys:
+                self._promoted.pop(key, None)
+        self.inner.complete_load(keys, req_context)
 
     # -- stores ----------------------------------------------------------------------------
     def prepare_store(self, keys: Collection[Any], req_context: VReqContext) -> VPrepareStoreOutput | None:
-        out = self.inner.prepare_store(list(keys), self.ours(req_context))
+        out = self.inner.prepare_store(keys, req_context)
         if out is None:
             return None
-        return VPrepareStoreOutput(out.keys_to_store, CPULoadStoreSpec(out.store_spec.block_ids), out.evicted_keys)
+        return VPrepareStoreOutput(out.keys_to_store, _cpu_spec(out.store_spec.block_ids), out.evicted_keys)
 
     def complete_store(self, keys: Collection[Any], req_context: VReqContext, success: bool = True) -> None:
-        self._ensure_bound()
-        self.inner.complete_store(list(keys), self.ours(req_context), success)
+        if not self._bound:
+            self._ensure_bound()
+        self.inner.complete_store(keys, req_context, success)
 
     # -- requests and steps ----------------------------------------------------------------
     def on_new_request(self, req_context: VReqContext) -> VRequestContext:
-        return VRequestContext(policy=_POLICY[self.inner.on_new_request(self.ours(req_context)).policy])
+        return _CONTEXTS[self.inner.on_new_request(req_context).policy]
 
     def on_request_finished(self, req_context: VReqContext) -> None:
-        self.inner.on_request_finished(self.ours(req_context))
+        self.inner.on_request_finished(req_context)
 
     def on_schedule_end(self, context: Any = None) -> None:
-        self._ensure_bound()
+        if not self._bound:
+            self._ensure_bound()
         self.inner.on_schedule_end(context)
 
     def take_events(self) -> Iterable[VEvent]:
+        events = self.inner.take_events()
+        if not events:
+            return ()
         out = []
-        for ev in self.inner.take_events():
-            medium, owner = self._media.get(ev.medium, (None, None))
-            if medium is None:
+        media = self._media
+        for ev in events:
+            found = media.get(ev.medium)
+            if found is None:
                 self.unknown_media += 1
-                medium, owner = Medium.STORAGE, ev.medium
-            out.append(VEvent(keys=ev.keys, medium=medium, removed=ev.removed, locality=Locality.LOCAL,
-                              ownership=owner))
+                found = (Medium.STORAGE, ev.medium)
+            out.append(VEvent(ev.keys, found[0], ev.removed, _LOCAL, found[1]))
         return out
 
     def has_pending_work(self) -> bool:

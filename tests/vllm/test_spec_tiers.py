@@ -12,6 +12,7 @@ import enum
 import importlib.util
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -124,16 +125,19 @@ def K(i: int) -> bytes:
     return make_offload_key(i.to_bytes(8, "big"), 0)
 
 
-def until(pred, m, what: str, steps: int = 2000):
-    """Step the manager (end a scheduler step, wait for the tier's jobs) until ``pred()``."""
-    for _ in range(steps):
+def until(pred, m, what: str, timeout: float = 120.0):
+    """Step the manager (end a scheduler step, wait for the tier's jobs) until ``pred()``; the
+    deadline only bounds a failure (the tier answers EXISTS on its own thread)."""
+    deadline = time.monotonic() + timeout
+    while True:
         v = pred()
         if v:
             return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
         m.on_schedule_end()
         m.drain_jobs(timeout=10)
-        threading.Event().wait(0.001)  # the tier's EXISTS batcher answers on its own thread
-    raise AssertionError(f"never: {what}")
+        threading.Event().wait(0.001)
 
 
 def test_kvblockd_tier_stores_evicts_and_loads_back(server):
