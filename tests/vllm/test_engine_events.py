@@ -24,6 +24,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import urllib.request
 
 import pytest
 
@@ -181,3 +182,13 @@ def test_readme_client_commands_against_real_vllm(fleet) -> None:
     assert pods["unattributed"] == [] and pods["router"]["errors"] == {}
     # the router decoded every batch the real engines sent (vLLM 0.32's newer fields included)
     assert all(p["malformed"] == {} and not p["unrecoverable"] for p in pods["pods"])
+    # the Prometheus scrape config: its target and credentials file fetch the router's metrics
+    yaml = pytest.importorskip("yaml")
+    (yaml_text,) = _blocks("yaml")
+    job = yaml.safe_load(yaml_text)["scrape_configs"][0]
+    target = job["static_configs"][0]["targets"][0].replace(":9000", f":{rport}")
+    token = (tmp / job["authorization"]["credentials_file"]).read_text().strip()
+    req = urllib.request.Request(f"http://{target}{job.get('metrics_path', '/metrics')}",
+                                 headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200 and b"kvevents_router_" in r.read()
