@@ -172,6 +172,16 @@ def test_readme_client_commands_against_real_vllm(fleet) -> None:
     out = client(lines[2])
     assert out.rstrip().endswith("data: [DONE]") and "chat.completion.chunk" in out
     prompt = json.loads(re.search(r"-d '(.*?)'", lines[1]).group(1))["prompt"]
+    # A real vLLM publishes nothing while idle, and the router reads a pod it has not heard for
+    # stale_after (10 s) as STALE and leaves it out of scores (measured: a pod serving nothing
+    # for 10 s drops out of /v1/score, replay endpoint or not). The README's prompt fills no
+    # 128-token block, so nothing above made the pods publish: each serves a two-block prompt
+    # now, and the next two commands run while both are fresh.
+    fresh = words(256, seed=15)
+    for name, e in fleet["engines"].items():
+        e.complete(fresh)
+        wait_for(lambda: fleet["router"].gpu_tokens(name, fleet["model"], prompt=fresh) == 2 * BLOCK,
+                 INDEX_TIMEOUT, f"{name} heard")
     score = json.loads(client(lines[3]))
     # the engine's tokenizer (through pod /tokenize) is word-level: one token per word
     assert score["prompt_tokens"] == len(prompt.split())
