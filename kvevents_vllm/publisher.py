@@ -46,9 +46,10 @@ logger = logging.getLogger("vllm.kvevents_vllm.publisher")
 PUBLISHER_NAME = "kvevents"
 #: vLLM KVEventsConfig fields the factory passes, each handed to our publisher under its name
 MAPPED_FIELDS = ("endpoint", "replay_endpoint", "buffer_steps", "hwm", "max_queue_size", "topic")
-#: counters whose growth is logged (a warning naming each) by the watch thread
-LOSS_COUNTERS = ("overflow", "overflow_lost", "encode_errors", "send_errors", "ring_evicted",
-                 "replay_aborted", "replay_refused")
+#: counters whose growth is logged (a warning naming each) by the watch thread; not
+#: ``ring_evicted``: a full replay ring drops its oldest batch at every step, by design
+LOSS_COUNTERS = ("overflow", "overflow_lost", "encode_errors", "send_errors", "replay_aborted",
+                 "replay_refused")
 #: seconds between two looks of the watch thread at those counters
 WATCH_INTERVAL = 10.0
 
