@@ -134,7 +134,7 @@ def until(pred, m, what: str, timeout: float = 120.0):
         if v:
             return v
         if time.monotonic() > deadline:
-            raise AssertionError(f"never: {what}")
+            raise AssertionError(f"never: {what}; tiering manager {m.stats()}")
         m.on_schedule_end()
         m.drain_jobs(timeout=10)
         threading.Event().wait(0.001)
