@@ -6,12 +6,14 @@ secondary tiers read and write the same host blocks). The two may live in differ
 so each worker rank keeps its host buffer in a file under ``/dev/shm`` named after vLLM's
 engine id and the rank, with a small JSON layout beside it; the scheduler side maps every
 rank's file once they all exist and sees one offloaded block as the concatenation of each
-rank's and each KV tensor's rows of that block (:class:`RegionBlockIO`).
+rank's and each KV tensor's rows of that block (:class:`RegionBlockIO`). Once the scheduler has
+mapped them the files are removed; without secondary tiers nobody else reads the buffer and it
+is private memory (no files).
 
 Inside one rank's file, tensor ``t`` owns one contiguous region of ``num_chunks *
 blocks_per_chunk`` rows of ``pages[t]`` bytes; offloaded block ``c`` is rows
-``c*blocks_per_chunk .. +blocks_per_chunk`` of every region. The worker removes its files at
-shutdown.
+``c*blocks_per_chunk .. +blocks_per_chunk`` of every region. The worker also removes its files
+at shutdown (if the scheduler never mapped them).
 """
 
 from __future__ import annotations
@@ -72,12 +74,16 @@ def _arrays(mm: mmap.mmap, rows: int, pages: list[int]) -> list[np.ndarray]:
 
 
 def create_regions(engine_id: str, rank: int, num_chunks: int, blocks_per_chunk: int,
-                   pages: list[int]) -> HostRegions:
-    """The worker side: a new zeroed host buffer for this rank (its layout written last)."""
+                   pages: list[int], *, shared: bool = True) -> HostRegions:
+    """The worker side: a new zeroed host buffer for this rank (its layout written last).
+    ``shared=False`` (no secondary tier will read it): private memory, no files."""
     stem = _stem(engine_id, rank)
     path, layout_path = stem.with_suffix(".kv"), stem.with_suffix(".json")
     rows = num_chunks * blocks_per_chunk
     size = max(1, rows * sum(pages))
+    if not shared:
+        mm = mmap.mmap(-1, size)
+        return HostRegions(path, layout_path, _arrays(mm, rows, pages), mm)
     mm = _map_file(path, size, create=True)
     layout = {"num_chunks": num_chunks, "blocks_per_chunk": blocks_per_chunk, "pages": list(pages)}
     tmp = layout_path.with_suffix(".tmp")
@@ -87,20 +93,25 @@ def create_regions(engine_id: str, rank: int, num_chunks: int, blocks_per_chunk:
 
 
 def open_block_io(engine_id: str, world_size: int) -> RegionBlockIO | None:
-    """The scheduler side: every rank's host buffer as one BlockIO; None until all exist."""
+    """The scheduler side: every rank's host buffer as one BlockIO; None until all exist. Once
+    all are mapped their files are removed (the mappings stay): an engine that is killed later
+    leaves nothing behind."""
     regions: list[np.ndarray] = []
     bpc = num_chunks = None
-    for rank in range(world_size):
-        stem = _stem(engine_id, rank)
+    stems = [_stem(engine_id, rank) for rank in range(world_size)]
+    if not all(stem.with_suffix(".json").exists() for stem in stems):
+        return None
+    for stem in stems:
         layout_path = stem.with_suffix(".json")
-        if not layout_path.exists():
-            return None
         layout = json.loads(layout_path.read_text())
         num_chunks, bpc = int(layout["num_chunks"]), int(layout["blocks_per_chunk"])
         pages = [int(p) for p in layout["pages"]]
         rows = num_chunks * bpc
         mm = _map_file(stem.with_suffix(".kv"), max(1, rows * sum(pages)), create=False)
         regions.extend(_arrays(mm, rows, pages))
+    for stem in stems:
+        for p in (stem.with_suffix(".json"), stem.with_suffix(".kv")):
+            p.unlink(missing_ok=True)
     assert bpc is not None and num_chunks is not None
     return RegionBlockIO(regions, bpc, num_chunks)
 

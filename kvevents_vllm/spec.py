@@ -124,6 +124,7 @@ class KVEventsOffloadingSpec(VllmOffloadingSpec):
             self._worker = KVEventsOffloadingWorker(
                 kv_caches, blocks_per_chunk=self.blocks_per_chunk, num_chunks=self._need_chunks(),
                 engine_id=self.config.engine_id, rank=int(self.config.parallel.rank),
+                shared=bool(self.plugin_config.secondary_tiers),  # only secondary tiers read it
             )
         return self._worker
 

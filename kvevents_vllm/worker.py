@@ -48,13 +48,13 @@ class KVEventsOffloadingWorker(OffloadingWorker):
     """vLLM's worker role over one of our transfer workers per KV tensor."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, *, blocks_per_chunk: int, num_chunks: int,
-                 engine_id: str, rank: int) -> None:
+                 engine_id: str, rank: int, shared: bool = True) -> None:
         self.k = int(blocks_per_chunk)
         self.num_chunks = int(num_chunks)
         tensors = [t.tensor for t in kv_caches.tensors]
         pages = [int(t.shape[1]) for t in tensors]
         self.pages = pages
-        self.regions: HostRegions = create_regions(engine_id, rank, self.num_chunks, self.k, pages)
+        self.regions: HostRegions = create_regions(engine_id, rank, self.num_chunks, self.k, pages, shared=shared)
         self.workers: list[TransferWorker] = []
         try:
             for tensor, host in zip(tensors, self.regions.arrays):

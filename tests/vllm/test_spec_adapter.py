@@ -132,7 +132,9 @@ def test_worker_round_trip_and_the_manager_sees_the_same_bytes(blocks_per_chunk)
     from kvevents_vllm.host import open_block_io
 
     k = blocks_per_chunk
-    cfg = offloading_config({"kvevents": {"cpu_blocks": 4}}, blocks_per_chunk=k)
+    # a secondary tier configured: the worker shares its host buffer with the scheduler side
+    cfg = offloading_config({"kvevents": {"cpu_blocks": 4, "secondary_tiers": [{"type": "example"}]}},
+                            blocks_per_chunk=k)
     worker_side, sched_side = KVEventsOffloadingSpec(cfg), KVEventsOffloadingSpec(cfg)
     tensors, caches = _canonical(16, 1)
     for t in tensors:
@@ -146,7 +148,10 @@ def test_worker_round_trip_and_the_manager_sees_the_same_bytes(blocks_per_chunk)
         assert w.submit_store(1, gpu, CPULoadStoreSpec(chunks))
         r = _finish(w, 1)
         assert r.success and r.transfer_size == 3 * 2 * PAGE
+        assert w.regions.path.exists()
         io = open_block_io(cfg.engine_id, 1)
+        # mapped by the scheduler side: the files are gone, so a killed engine leaks nothing
+        assert not (w.regions.path.exists() or w.regions.layout_path.exists())
         rows = [c * k + j for c in chunks for j in range(k)][k - 1 if k == 2 else 0:][:3]
         for t_idx, t in enumerate(tensors):
             for d, row in zip(dev, rows):
@@ -167,3 +172,17 @@ def test_worker_round_trip_and_the_manager_sees_the_same_bytes(blocks_per_chunk)
     finally:
         w.shutdown()
     assert not (w.regions.path.exists() or w.regions.layout_path.exists())  # shutdown removes the shm files
+
+
+def test_without_secondary_tiers_the_host_buffer_is_private(tmp_path, monkeypatch):
+    from kvevents_vllm import host
+
+    monkeypatch.setattr(host, "SHM_DIR", tmp_path)
+    cfg = offloading_config({"kvevents": {"cpu_blocks": 4}})
+    _, caches = _canonical(8, 1)
+    w = KVEventsOffloadingSpec(cfg).get_worker(caches)
+    try:
+        assert list(tmp_path.iterdir()) == []  # nobody else reads it: no file to leak
+        assert host.open_block_io(cfg.engine_id, 1) is None
+    finally:
+        w.shutdown()
