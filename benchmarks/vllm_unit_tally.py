@@ -147,8 +147,8 @@ def main() -> int:
     source = args.tests or fetch_sdist(args.version, args.cache)
     root = tests_root(source) if source is not None else None
     if root is None:
-        print(f"vLLM {args.version}'s kv_offload unit tests are ABSENT: no --tests given and the sdist "
-              "could not be fetched; nothing was run", file=sys.stderr)
+        where = f"{args.tests} holds no tests/v1/kv_offload" if args.tests else "the sdist could not be fetched"
+        print(f"vLLM {args.version}'s kv_offload unit tests are ABSENT ({where}); nothing was run", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="vllm-tally-"))
     try:
