@@ -15,7 +15,9 @@ What changes at the boundary, and nothing else (our manager's behaviour is untou
 - ``get_load_source``: HOST for a block the CPU tier held, DISK for one promoted from a
   secondary tier (the tiering manager says which keys it promotes);
 - ``on_schedule_end(context)``: vLLM's ``ScheduleEndContext`` passed on (ours accepts and
-  ignores it); ``get_stats``: None (our counters are in :meth:`stats`).
+  ignores it); ``get_stats``: vLLM's CPU-tier gauges (blocks pinned by stores / loads in
+  flight) and allocation-size histogram, counted here from the calls (our own counters are in
+  :meth:`stats`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from vllm.v1.kv_offload.base import OffloadPolicy as VPolicy
 from vllm.v1.kv_offload.base import PrepareStoreOutput as VPrepareStoreOutput
 from vllm.v1.kv_offload.base import ReqContext as VReqContext
 from vllm.v1.kv_offload.base import RequestOffloadingContext as VRequestContext
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from manager.base import LookupResult, OffloadingManager, OffloadPolicy
@@ -72,6 +75,11 @@ class KVEventsManagerAdapter(VManager):
         for tier in (self._tiering.tiers if self._tiering else ()):
             self._media.setdefault(tier.medium, (Medium.STORAGE, getattr(tier, "tier_type", None)))
         self._promoted: dict[bytes, CacheHitSource] = {}
+        # what get_stats reports (vLLM's CPU-tier gauges and allocation histogram): blocks pinned
+        # by stores and by loads in flight, and the size of each prepare_store since the last call
+        self._writing = 0
+        self._reading = 0
+        self._allocations: list[int] = []
         self._lookup = inner.lookup  # (the hottest call: one attribute lookup less per key)
         self.unknown_media = 0  # events in a medium no tier declared (sent as STORAGE)
 
@@ -105,6 +113,7 @@ class KVEventsManagerAdapter(VManager):
 
     def prepare_load(self, keys: Collection[Any], req_context: VReqContext) -> CPULoadStoreSpec:
         spec = self.inner.prepare_load(keys, req_context)
+        self._reading += len(keys)
         return _cpu_spec(spec.block_ids)
 
     def touch(self, keys: Collection[Any], req_context: VReqContext) -> None:
@@ -114,18 +123,24 @@ class KVEventsManagerAdapter(VManager):
         if self._promoted:
             for key in keys:
                 self._promoted.pop(key, None)
+        self._reading = max(0, self._reading - len(keys))
         self.inner.complete_load(keys, req_context)
 
     # -- stores ----------------------------------------------------------------------------
     def prepare_store(self, keys: Collection[Any], req_context: VReqContext) -> VPrepareStoreOutput | None:
         out = self.inner.prepare_store(keys, req_context)
         if out is None:
+            self._allocations.append(len(keys))
             return None
+        if out.keys_to_store:
+            self._allocations.append(len(out.keys_to_store))
+            self._writing += len(out.keys_to_store)
         return VPrepareStoreOutput(out.keys_to_store, _cpu_spec(out.store_spec.block_ids), out.evicted_keys)
 
     def complete_store(self, keys: Collection[Any], req_context: VReqContext, success: bool = True) -> None:
         if not self._bound:
             self._ensure_bound()
+        self._writing = max(0, self._writing - len(keys))
         self.inner.complete_store(keys, req_context, success)
 
     # -- requests and steps ----------------------------------------------------------------
@@ -161,8 +176,21 @@ class KVEventsManagerAdapter(VManager):
         self._promoted.clear()
         self.inner.reset_cache()
 
-    def get_stats(self) -> None:
-        return None
+    def get_stats(self) -> Any:
+        """vLLM's CPU-tier metrics (``CPU_METRICS``): the share of CPU blocks pinned by transfers
+        in flight (all, stores, loads) and the size of each store reservation since the last
+        call."""
+        stats = OffloadingConnectorStats()
+        n = self._primary.num_blocks or 0
+        writing = min(self._writing, n) / n if n else 0.0
+        usage = min(self._writing + self._reading, n) / n if n else 0.0
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, writing)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, max(usage - writing, 0.0))
+        for size in self._allocations:
+            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        self._allocations.clear()
+        return stats
 
     def stats(self) -> dict[str, int]:
         """Our manager's counters (the tiering manager's, when there are secondary tiers)."""

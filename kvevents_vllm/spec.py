@@ -54,6 +54,24 @@ def _check_tiers(cfg: PluginConfig) -> None:
 class KVEventsOffloadingSpec(VllmOffloadingSpec):
     """vLLM's spec role over our manager (scheduler side) and transfer workers (worker side)."""
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """The CPU-tier metrics our manager's ``get_stats()`` reports (vLLM's names)."""
+        from vllm.v1.kv_offload.base import OffloadingGaugeMetadata, OffloadingHistogramMetadata
+        from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as M
+
+        return {
+            M.CPU_CACHE_USAGE_PERC: OffloadingGaugeMetadata(
+                documentation="Share of the CPU tier's blocks pinned by transfers in flight (0 to 1)."),
+            M.CPU_CACHE_WRITE_USAGE_PERC: OffloadingGaugeMetadata(
+                documentation="Share of the CPU tier's blocks reserved by stores not completed yet (0 to 1)."),
+            M.CPU_CACHE_READ_USAGE_PERC: OffloadingGaugeMetadata(
+                documentation="Share of the CPU tier's blocks pinned by loads not completed yet (0 to 1)."),
+            M.CPU_ALLOCATION_SIZE: OffloadingHistogramMetadata(
+                documentation="Blocks asked for by each store reservation in the CPU tier.",
+                buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)),
+        }
+
     def __init__(self, config: Any) -> None:
         self.vllm_release = check_vllm_version()
         super().__init__(config)

@@ -121,6 +121,10 @@ def test_load_from_cpu_tier_matches_cold_output_and_router_score(spec_engine):
     assert score.tokens_by_tier.get("GPU", 0) == local, (score, local, external)
     assert sum(v for t, v in score.tokens_by_tier.items() if t != "GPU") == external, (score, local, external)
     assert local + external == 8 * BLOCK
+    # our manager's get_stats reaches vLLM's Prometheus page (the CPU tier's reservations)
+    metrics = h.engine.metrics()
+    assert metrics.get("vllm:kv_offload_cpu_allocation_size_count", 0) > 0, sorted(metrics)
+    assert "vllm:kv_offload_cpu_cache_usage_perc" in metrics
 
 
 def test_load_from_fs_tier_after_cpu_eviction(spec_engine):

@@ -104,7 +104,16 @@ def test_manager_speaks_vllms_types():
     events = list(m.take_events())
     assert [(e.keys, e.medium, e.removed, e.locality, e.ownership) for e in events] == [
         ([K(1), K(2)], vbase.Medium.CPU, False, vbase.Locality.LOCAL, None)]
-    assert m.get_stats() is None
+    from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as CM
+
+    usage = m.get_stats().reduce()
+    assert usage[CM.CPU_CACHE_USAGE_PERC] == 0.0  # every transfer completed: nothing pinned
+    m.prepare_store([K(3)], ctx)  # one of 4 blocks reserved by a store in flight
+    usage = m.get_stats().reduce()
+    assert usage[CM.CPU_CACHE_USAGE_PERC] == usage[CM.CPU_CACHE_WRITE_USAGE_PERC] == 0.25
+    assert usage[CM.CPU_CACHE_READ_USAGE_PERC] == 0.0
+    m.complete_store([K(3)], ctx)
+    assert set(KVEventsOffloadingSpec.build_metric_definitions({})) >= {CM.CPU_CACHE_USAGE_PERC, CM.CPU_ALLOCATION_SIZE}
     m.on_request_finished(ctx)
     m.shutdown()
 
