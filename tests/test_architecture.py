@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("kvevents", "manager", "consumers", "kvdemo", "kvservice")
+PACKAGES = ("kvevents", "manager", "consumers", "kvdemo", "kvservice", "kvevents_vllm")
 MAX_LINES = 500
 
 
@@ -108,13 +108,35 @@ def test_the_walker_sees_lazy_and_dynamic_imports(tmp_path):
     assert "kvservice.api" not in names
 
 
+TOP_FLOORS = ("kvdemo", "kvservice", "kvevents_vllm")
+
+
 def test_kvevents_is_the_ground_floor():
-    assert _floor_violations(("kvevents",), ("manager", "consumers", "kvdemo", "kvservice")) == []
+    assert _floor_violations(("kvevents",), ("manager", "consumers", *TOP_FLOORS)) == []
 
 
 def test_manager_and_consumers_never_import_each_other_or_the_top_floor():
-    assert _floor_violations(("manager",), ("consumers", "kvdemo", "kvservice")) == []
-    assert _floor_violations(("consumers",), ("manager", "kvdemo", "kvservice")) == []
+    assert _floor_violations(("manager",), ("consumers", *TOP_FLOORS)) == []
+    assert _floor_violations(("consumers",), ("manager", *TOP_FLOORS)) == []
+
+
+def test_the_vllm_plugin_is_a_top_floor_of_its_own():
+    """Nothing imports ``kvevents_vllm`` (vLLM finds it through its entry point), and it imports
+    only the floors below it."""
+    others = tuple(p for p in PACKAGES if p != "kvevents_vllm")
+    assert _floor_violations(others, ("kvevents_vllm",)) == []
+    assert _floor_violations(("kvevents_vllm",), ("kvdemo", "kvservice")) == []
+
+
+def test_only_the_vllm_plugin_imports_vllm():
+    """vLLM is an optional extra (``kvevents[vllm]``): every difference between its releases
+    lives in ``kvevents_vllm``, and no other package may reach for it."""
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+           for mod, path in MODULES.items() if mod.split(".")[0] != "kvevents_vllm"
+           for name, line in _imported_names(mod, path) if name.split(".")[0] == "vllm"]
+    assert bad == []
+    assert any(name.split(".")[0] == "vllm" for mod, path in MODULES.items() if mod.startswith("kvevents_vllm")
+               for name, _ in _imported_names(mod, path))  # (the check can see a vllm import)
 
 
 def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:

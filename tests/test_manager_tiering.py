@@ -295,6 +295,24 @@ def test_on_schedule_end_order() -> None:
     assert m._processed_this_step is False
 
 
+class _ContextTier(_RecordingTier):
+    def on_schedule_end(self, context=None) -> None:
+        self.calls.append(("on_schedule_end", context))
+
+
+def test_on_schedule_end_passes_the_step_context_to_tiers_that_take_it() -> None:
+    """vLLM 0.33's hook is on_schedule_end(context); ours accepts it and hands it on, while a
+    tier written with no argument (_RecordingTier) is still called without one."""
+    new_style, old_style = _ContextTier(), _RecordingTier()
+    m = TieringOffloadingManager(CPUOffloadingManager(4), [new_style, old_style])
+    step = object()
+    m.on_schedule_end(step)
+    m.on_schedule_end()
+    assert [c for c in new_style.calls if c != "get_finished_jobs"] == [("on_schedule_end", step),
+                                                                       ("on_schedule_end", None)]
+    assert old_style.calls.count("on_schedule_end") == 2
+
+
 def test_store_rejected_when_primary_full() -> None:
     m, primary, _, _ = make(2)
     ctx = ReqContext("a")

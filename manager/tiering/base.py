@@ -105,8 +105,11 @@ class SecondaryTierManager(ABC):
     def on_request_finished(self, req_context: ReqContext) -> None:  # noqa: B027
         """The request is done and its stores were submitted to this tier."""
 
-    def on_schedule_end(self) -> None:  # noqa: B027
-        """End of a scheduler step."""
+    def on_schedule_end(self, context: Any = None) -> None:  # noqa: B027
+        """End of a scheduler step. ``context``: what the engine said of the step (vLLM 0.33's
+        ``ScheduleEndContext``: the step's new and preempted request ids), or None. Tiers
+        written with no argument (``on_schedule_end(self)``) keep working: the tiering manager
+        calls them without it."""
 
     def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:  # noqa: B027
         """The keys were used."""

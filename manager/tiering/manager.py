@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
@@ -53,6 +54,17 @@ __all__ = ["TieringOffloadingManager"]
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _RETRY = LookupResult.RETRY
+
+
+def _takes_argument(method: Any) -> bool:
+    """Whether a bound method accepts one positional argument."""
+    try:
+        inspect.signature(method).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (a builtin): assume the current form
+        return True
+    return True
 
 
 @dataclass(slots=True)
@@ -103,6 +115,9 @@ class TieringOffloadingManager(OffloadingManager):
         #: per tier, who hears of its jobs (telemetry): ``job_submitted(job_id, direction, blocks)``
         #: as a job is handed to the tier, ``job_finished(job_id, success, None)`` as its result is collected
         self.job_observers: list[tuple[Any, ...]] = [() for _ in self.tiers]
+        #: per tier, whether its on_schedule_end takes the engine's step context (tiers written
+        #: before it was added take none)
+        self._tier_takes_context = [_takes_argument(t.on_schedule_end) for t in self.tiers]
         self._processed_this_step = False
         # Counters.
         self.promotions_started = 0
@@ -148,6 +163,10 @@ class TieringOffloadingManager(OffloadingManager):
             self.lookups_pending += 1
             return _RETRY
         return _MISS
+
+    def promoting_from(self, key: OffloadKey) -> int | None:
+        """The index of the tier ``key`` is being promoted from, or None (not in flight)."""
+        return self._promoting.get(key)
 
     def prepare_load(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return self.primary.prepare_load(keys, req_context)
@@ -263,22 +282,25 @@ class TieringOffloadingManager(OffloadingManager):
 
     def on_schedule_end(self, context: object = None) -> None:
         if not self.schedule_end_observers:
-            self._schedule_end()
+            self._schedule_end(context)
             return
         states = self._schedule_end_started()
         try:
-            self._schedule_end()
+            self._schedule_end(context)
         finally:
             self._schedule_end_finished(states)
 
-    def _schedule_end(self) -> None:
+    def _schedule_end(self, context: object = None) -> None:
         self._process_finished_gated()
         self._flush_promotions()
         for req_id in list(self._finishing):
             self._maybe_finish(req_id)
         self._processed_this_step = False
-        for tier in self.tiers:
-            tier.on_schedule_end()
+        for tier, takes_context in zip(self.tiers, self._tier_takes_context):
+            if takes_context:
+                tier.on_schedule_end(context)
+            else:
+                tier.on_schedule_end()
 
     # -- requests -------------------------------------------------------------------
 

@@ -1,0 +1,203 @@
+"""Our offload manager behind vLLM's ``OffloadingManager`` role (the scheduler side of our spec).
+
+What changes at the boundary, and nothing else (our manager's behaviour is untouched):
+
+- request contexts: vLLM's ``ReqContext`` is handed on as it is (it has the fields ours reads,
+  ``req_id`` and ``kv_transfer_params``);
+- ``LookupResult`` / ``OffloadPolicy`` members mapped by meaning (ours ``BLOCK_LEVEL`` is vLLM's
+  ``CHUNK_LEVEL``; our ``RETRY`` for a block being stored or promoted into the CPU tier is vLLM's
+  ``HIT_PENDING``, any other ``RETRY`` stays ``RETRY``);
+- load/store specs: our ``LoadStoreSpec`` (medium + int64 ids) -> vLLM's ``CPULoadStoreSpec``
+  (over the same int64 ids);
+- events: our ``OffloadingEvent(keys, medium: str, removed)`` -> vLLM's, with ``Medium`` (CPU for
+  the primary tier, STORAGE for a secondary tier), ``Locality.LOCAL`` and ``ownership`` (None for
+  the primary tier, the tier's type for a secondary tier);
+- ``get_load_source``: HOST for a block the CPU tier held, DISK for one promoted from a
+  secondary tier (the tiering manager says which keys it promotes);
+- ``on_schedule_end(context)``: vLLM's ``ScheduleEndContext`` passed on (ours accepts and
+  ignores it); ``get_stats``: vLLM's CPU-tier gauges (blocks pinned by stores / loads in
+  flight) and allocation-size histogram, counted here from the calls (our own counters are in
+  :meth:`stats`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+from vllm.v1.kv_offload.base import LookupResult as VLookup
+from vllm.v1.kv_offload.base import Locality, Medium
+from vllm.v1.kv_offload.base import OffloadingEvent as VEvent
+from vllm.v1.kv_offload.base import OffloadingManager as VManager
+from vllm.v1.kv_offload.base import OffloadPolicy as VPolicy
+from vllm.v1.kv_offload.base import PrepareStoreOutput as VPrepareStoreOutput
+from vllm.v1.kv_offload.base import ReqContext as VReqContext
+from vllm.v1.kv_offload.base import RequestOffloadingContext as VRequestContext
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from manager.base import LookupResult, OffloadingManager, OffloadPolicy
+from manager.tiering import TieringOffloadingManager
+
+_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+_LOCAL = Locality.LOCAL
+_V_HIT, _V_MISS, _V_PENDING, _V_RETRY = VLookup.HIT, VLookup.MISS, VLookup.HIT_PENDING, VLookup.RETRY
+#: one vLLM request context per policy, shared: vLLM's connector only reads its ``policy``
+_CONTEXTS = {OffloadPolicy.BLOCK_LEVEL: VRequestContext(policy=VPolicy.CHUNK_LEVEL),
+             OffloadPolicy.REQUEST_LEVEL: VRequestContext(policy=VPolicy.REQUEST_LEVEL)}
+
+
+def _cpu_spec(block_ids: Any) -> CPULoadStoreSpec:
+    """vLLM's CPU spec over our int64 ids as they are (its constructor copies them into int32;
+    our worker reads either)."""
+    spec = CPULoadStoreSpec.__new__(CPULoadStoreSpec)
+    spec.block_ids = block_ids
+    return spec
+
+
+class KVEventsManagerAdapter(VManager):
+    """vLLM's manager role over ``inner`` (a CPU manager or a tiering manager).
+
+    ``bind``: called before calls that may move bytes through secondary tiers until it returns
+    True (the spec binds the shared host buffer once the worker side has made it)."""
+
+    def __init__(self, inner: OffloadingManager, *, bind: Callable[[], bool] | None = None) -> None:
+        self.inner = inner
+        self._bind = bind
+        self._bound = bind is None
+        self._tiering = inner if isinstance(inner, TieringOffloadingManager) else None
+        self._primary: Any = self._tiering.primary if self._tiering is not None else inner
+        #: vLLM's managers name their medium (Medium.CPU for a CPU tier and the tiers behind it)
+        self.medium = Medium.CPU
+        # our medium string -> (vLLM medium, ownership)
+        self._media: dict[str, tuple[Medium, str | None]] = {inner.medium: (Medium.CPU, None)}
+        for tier in (self._tiering.tiers if self._tiering else ()):
+            self._media.setdefault(tier.medium, (Medium.STORAGE, getattr(tier, "tier_type", None)))
+        self._promoted: dict[bytes, CacheHitSource] = {}
+        # what get_stats reports (vLLM's CPU-tier gauges and allocation histogram): blocks pinned
+        # by stores and by loads in flight, and the size of each prepare_store since the last call
+        self._writing = 0
+        self._reading = 0
+        self._allocations: list[int] = []
+        self._lookup = inner.lookup  # (the hottest call: one attribute lookup less per key)
+        self.unknown_media = 0  # events in a medium no tier declared (sent as STORAGE)
+
+    # -- contexts --------------------------------------------------------------------------
+    # vLLM's ReqContext has our ReqContext's fields (req_id, kv_transfer_params): our managers
+    # read only those, so vLLM's is handed on as it is (no per-call conversion).
+
+    def _ensure_bound(self) -> None:
+        if not self._bound and self._bind is not None:
+            self._bound = self._bind()
+
+    # -- lookups and loads -----------------------------------------------------------------
+    def lookup(self, key: Any, req_context: VReqContext) -> VLookup:
+        result = self._lookup(key, req_context)
+        if result is _HIT:
+            return _V_HIT
+        if result is _MISS:
+            return _V_MISS
+        # ours answers RETRY for "ask again later"; vLLM tells apart a block that is found but
+        # not readable yet (HIT_PENDING: being stored into, or promoted into, the CPU tier)
+        if self._tiering is not None and self._tiering.promoting_from(key) is not None:
+            self._promoted[key] = CacheHitSource.DISK
+            return _V_PENDING
+        block_id = getattr(self._primary, "block_id", None)  # present, whether ready or being written
+        if block_id is not None and block_id(key) is not None:
+            return _V_PENDING
+        return _V_RETRY
+
+    def get_load_source(self, key: Any, req_context: VReqContext) -> CacheHitSource:
+        return self._promoted.pop(key, CacheHitSource.HOST)
+
+    def prepare_load(self, keys: Collection[Any], req_context: VReqContext) -> CPULoadStoreSpec:
+        spec = self.inner.prepare_load(keys, req_context)
+        self._reading += len(keys)
+        return _cpu_spec(spec.block_ids)
+
+    def touch(self, keys: Collection[Any], req_context: VReqContext) -> None:
+        self.inner.touch(keys, req_context)
+
+    def complete_load(self, keys: Collection[Any], req_context: VReqContext) -> None:
+        if self._promoted:
+            for key in keys:
+                self._promoted.pop(key, None)
+        self._reading = max(0, self._reading - len(keys))
+        self.inner.complete_load(keys, req_context)
+
+    # -- stores ----------------------------------------------------------------------------
+    def prepare_store(self, keys: Collection[Any], req_context: VReqContext) -> VPrepareStoreOutput | None:
+        out = self.inner.prepare_store(keys, req_context)
+        if out is None:
+            self._allocations.append(len(keys))
+            return None
+        if out.keys_to_store:
+            self._allocations.append(len(out.keys_to_store))
+            self._writing += len(out.keys_to_store)
+        return VPrepareStoreOutput(out.keys_to_store, _cpu_spec(out.store_spec.block_ids), out.evicted_keys)
+
+    def complete_store(self, keys: Collection[Any], req_context: VReqContext, success: bool = True) -> None:
+        if not self._bound:
+            self._ensure_bound()
+        self._writing = max(0, self._writing - len(keys))
+        self.inner.complete_store(keys, req_context, success)
+
+    # -- requests and steps ----------------------------------------------------------------
+    def on_new_request(self, req_context: VReqContext) -> VRequestContext:
+        return _CONTEXTS[self.inner.on_new_request(req_context).policy]
+
+    def on_request_finished(self, req_context: VReqContext) -> None:
+        self.inner.on_request_finished(req_context)
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        if not self._bound:
+            self._ensure_bound()
+        self.inner.on_schedule_end(context)
+
+    def take_events(self) -> Iterable[VEvent]:
+        events = self.inner.take_events()
+        if not events:
+            return ()
+        out = []
+        media = self._media
+        for ev in events:
+            found = media.get(ev.medium)
+            if found is None:
+                self.unknown_media += 1
+                found = (Medium.STORAGE, ev.medium)
+            out.append(VEvent(ev.keys, found[0], ev.removed, _LOCAL, found[1]))
+        return out
+
+    def has_pending_work(self) -> bool:
+        return self.inner.has_pending_work()
+
+    def reset_cache(self) -> None:
+        self._promoted.clear()
+        self.inner.reset_cache()
+
+    def get_stats(self) -> Any:
+        """vLLM's CPU-tier metrics (``CPU_METRICS``): the share of CPU blocks pinned by transfers
+        in flight (all, stores, loads) and the size of each store reservation since the last
+        call."""
+        stats = OffloadingConnectorStats()
+        n = self._primary.num_blocks or 0
+        writing = min(self._writing, n) / n if n else 0.0
+        usage = min(self._writing + self._reading, n) / n if n else 0.0
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, writing)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, max(usage - writing, 0.0))
+        for size in self._allocations:
+            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        self._allocations.clear()
+        return stats
+
+    def stats(self) -> dict[str, int]:
+        """Our manager's counters (the tiering manager's, when there are secondary tiers)."""
+        inner_stats = getattr(self.inner, "stats", None)
+        out = dict(inner_stats()) if callable(inner_stats) else {}
+        out["adapter_unknown_media"] = self.unknown_media
+        return out
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()

@@ -1,0 +1,177 @@
+"""Our transfer workers as one vLLM ``OffloadingWorker`` (the worker side of our spec).
+
+vLLM hands the worker its KV cache as ``CanonicalKVCaches``: a list of int8 tensors shaped
+``[num_blocks, page_bytes]`` and, per KV-cache group, which tensors its layers use. For each
+tensor we run one of our transfer workers (:func:`manager.spec.create_transfer_worker`: a numpy
+thread on vLLM's CPU backend, CUDA streams on a GPU) between that tensor and its region of the
+shared host buffer (:mod:`kvevents_vllm.host`). A vLLM job (``GPULoadStoreSpec`` <->
+``CPULoadStoreSpec``) becomes one job on each tensor's worker; it is reported finished, as a
+vLLM ``TransferResult``, once every one of them is.
+
+Block mapping (vLLM's semantics): per group ``g`` the GPU spec lists ``group_sizes[g]`` device
+blocks starting at logical block ``block_indices[g]`` of the request; the CPU spec lists the
+offloaded blocks (chunks of ``blocks_per_chunk`` device blocks) covering them, the first one
+entered ``block_indices[g] % blocks_per_chunk`` rows in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker
+from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
+
+from manager.spec import create_transfer_worker
+from manager.transfer_base import TransferError, TransferWorker, expand_block_ids
+
+from .host import HostRegions, create_regions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    started: float
+    nbytes: int
+    waiting: set[int] = field(default_factory=set)  # tensor indexes still copying
+    success: bool = True
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVEventsOffloadingWorker(OffloadingWorker):
+    """vLLM's worker role over one of our transfer workers per KV tensor."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, *, blocks_per_chunk: int, num_chunks: int,
+                 engine_id: str, rank: int, shared: bool = True) -> None:
+        self.k = int(blocks_per_chunk)
+        self.num_chunks = int(num_chunks)
+        tensors = [t.tensor for t in kv_caches.tensors]
+        pages = [int(t.shape[1]) for t in tensors]
+        self.pages = pages
+        self.regions: HostRegions = create_regions(engine_id, rank, self.num_chunks, self.k, pages, shared=shared)
+        self.workers: list[TransferWorker] = []
+        try:
+            for tensor, host in zip(tensors, self.regions.arrays):
+                if tensor.device.type == "cpu":
+                    device, host_buf = tensor.numpy(), host
+                else:
+                    device, host_buf = tensor, _pinned(host)
+                self.workers.append(create_transfer_worker(device, host_buf))
+        except Exception:
+            self.shutdown()
+            raise
+        #: per group, the tensor indexes its layers use
+        self.group_tensors = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
+        self._pending: dict[int, _Pending] = {}
+        self._done: list[VllmTransferResult] = []
+        self.jobs_rejected = 0  # jobs whose specs did not fit (submit_* returned False)
+
+    # -- vLLM's role ---------------------------------------------------------------------
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        return self._submit(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        return self._submit(job_id, dst_spec, src_spec, store=False)
+
+    def get_finished(self) -> list[VllmTransferResult]:
+        for i, w in enumerate(self.workers):
+            for r in w.get_finished():
+                self._finish_part(r.job_id, i, r.success, r.error)
+        out, self._done = self._done, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        for w in self.workers:
+            w.wait(job_ids)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+        self.regions.remove()
+
+    # -- the mapping -------------------------------------------------------------------------
+    def rows_per_tensor(self, gpu: GPULoadStoreSpec, host: LoadStoreSpec) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """``{tensor: (device block ids, host rows)}`` for one job (see the module's doc)."""
+        dev_ids = np.asarray(gpu.block_ids, dtype=np.int64)
+        chunks = np.asarray(host.block_ids, dtype=np.int64)
+        sizes = list(gpu.group_sizes) if gpu.group_sizes is not None else [len(dev_ids)]
+        starts = list(gpu.block_indices) if gpu.block_indices is not None else [0] * len(sizes)
+        if len(sizes) != len(self.group_tensors):
+            raise TransferError(f"job has {len(sizes)} KV groups, the worker {len(self.group_tensors)}")
+        per: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        d_off = c_off = 0
+        for g, (n, start) in enumerate(zip(sizes, starts)):
+            if n == 0:
+                continue
+            skip = int(start) % self.k
+            n_chunks = _cdiv(n + skip, self.k)
+            rows = expand_block_ids(chunks[c_off:c_off + n_chunks], self.k, skip=skip)[:n]
+            dev = dev_ids[d_off:d_off + n]
+            if len(rows) != n or len(dev) != n:
+                raise TransferError(f"group {g}: {len(dev)} device blocks for {len(rows)} host rows")
+            for t in self.group_tensors[g]:
+                d, h = per.setdefault(t, ([], []))
+                d.append(dev)
+                h.append(rows)
+            d_off += n
+            c_off += n_chunks
+        if d_off != len(dev_ids) or c_off != len(chunks):
+            raise TransferError(f"job covers {d_off}/{len(dev_ids)} device blocks, {c_off}/{len(chunks)} chunks")
+        return {t: (np.concatenate(d), np.concatenate(h)) for t, (d, h) in per.items()}
+
+    def _submit(self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec, *, store: bool) -> bool:
+        try:
+            parts = self.rows_per_tensor(gpu, host)
+        except (TransferError, ValueError, TypeError) as exc:
+            self.jobs_rejected += 1
+            log.error("kvevents_vllm: job %s rejected: %s", job_id, exc)
+            return False
+        pending = _Pending(time.perf_counter(), sum(len(d) * self.pages[t] for t, (d, _) in parts.items()))
+        self._pending[job_id] = pending
+        if not parts:
+            self._finish(job_id, pending)
+            return True
+        pending.waiting.update(parts)
+        for t, (dev, rows) in parts.items():
+            try:
+                if store:
+                    self.workers[t].submit_store(job_id, dev, rows)
+                else:
+                    self.workers[t].submit_load(job_id, rows, dev)
+            except TransferError as exc:
+                self._finish_part(job_id, t, False, str(exc))
+        return True
+
+    def _finish_part(self, job_id: int, tensor: int, success: bool, error: str | None) -> None:
+        pending = self._pending.get(job_id)
+        if pending is None:
+            return
+        if not success:
+            pending.success = False
+            log.error("kvevents_vllm: job %s failed on KV tensor %d: %s", job_id, tensor, error)
+        pending.waiting.discard(tensor)
+        if not pending.waiting:
+            self._finish(job_id, pending)
+
+    def _finish(self, job_id: int, pending: _Pending) -> None:
+        del self._pending[job_id]
+        self._done.append(VllmTransferResult(job_id=job_id, success=pending.success, transfer_size=pending.nbytes,
+                                             transfer_time=time.perf_counter() - pending.started))
+
+
+def _pinned(host: np.ndarray):
+    """A CUDA-visible view of a host region: the shared pages registered with CUDA in place
+    (a copy would not be seen by the scheduler side)."""
+    import torch
+
+    t = torch.from_numpy(host)
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(rc) != 0:
+        raise TransferError(f"cudaHostRegister of the shared host buffer failed (error {int(rc)})")
+    return t
