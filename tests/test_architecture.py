@@ -201,8 +201,6 @@ DOC_PAGES = ("architecture.md", "benchmarks.md", "deploy-vllm.md", "event-plane.
              "wire-and-transport.md")
 #: pages written on other branches at the same time, linked already: a link to one of these may
 #: dangle until those branches are merged (the lead then empties this set)
-PENDING_PAGES = {"docs/vllm.md", "docs/http-limits.md", "docs/event-plane-security.md", "docs/proxy.md",
-                 "docs/pod-states.md"}
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -240,8 +238,7 @@ def _dead_links(path: Path) -> list[str]:
         dest = (path.parent / file).resolve() if file else path
         rel = dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else str(dest)
         if not dest.exists():
-            if rel not in PENDING_PAGES:
-                dead.append(f"{target} (no {rel})")
+            dead.append(f"{target} (no {rel})")
             continue
         if anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
             dead.append(f"{target} (no heading #{anchor} in {rel})")
@@ -270,12 +267,11 @@ def test_the_link_checker_finds_dead_links_and_anchors(tmp_path, monkeypatch):
     (tmp_path / "docs" / "a.md").write_text("# A page\n\n## Some `code` (here)\n")
     page = tmp_path / "README.md"
     page.write_text("[ok](docs/a.md) [ok](docs/a.md#some-code-here) [gone](docs/b.md) [bad](docs/a.md#nope)\n"
-                    "[web](https://example.com) `[code](docs/c.md)` [pending](docs/vllm.md)\n")
+                    "[web](https://example.com) `[code](docs/c.md)`\n")
     assert _dead_links(page) == ["docs/b.md (no docs/b.md)", "docs/a.md#nope (no heading #nope in docs/a.md)"]
 
 
 #: a package being built on another branch, named in the docs already (the lead empties this)
-PENDING_PACKAGES = ("kvevents_vllm/",)
 _PATH = re.compile(r"`((?:kvevents|manager|consumers|kvservice|kvdemo|kvevents_vllm|benchmarks|tests|dashboards)"
                    r"/[\w./-]*)`")
 
@@ -286,8 +282,6 @@ def test_every_source_path_the_docs_name_exists():
     missing = []
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for path in sorted(set(_PATH.findall(page.read_text()))):
-            if path.startswith(PENDING_PACKAGES) and not (ROOT / path.split("/")[0]).exists():
-                continue
             if not (ROOT / path.rstrip("/")).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert not missing, "paths named in the docs that do not exist: " + "; ".join(missing)
@@ -333,6 +327,7 @@ SETTINGS = {
     "KVEVENTS_TRACE_SAMPLE_EVERY": "the default trace sampling interval (kvevents.telemetry.sampling)",
     "KVEVENTS_NATS_SERVER": "the nats-server binary the JetStream broker starts",
     "KVEVENTS_CAPTURE": "the contract plugin's conformance capture directory",
+    "KVEVENTS_VLLM_SHM_DIR": "where the vLLM plugin's shared host buffer files go (default /dev/shm)",
 }
 
 
