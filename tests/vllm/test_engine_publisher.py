@@ -58,8 +58,9 @@ endpoint = "tcp://127.0.0.1:{ports['ev']}"
 replay_endpoint = "tcp://127.0.0.1:{ports['rep']}"
 http = "http://127.0.0.1:{ports['http']}"
 """)
-    # a real vLLM publishes nothing while idle: keep the pod SYNCED across the engine's restart
-    return Router(["--config", "router.toml", "--port", "0", "--proxy", "--stale-after", "600"], cwd=tmp)
+    # the router's defaults: an idle engine stays SYNCED; while it restarts it is unreachable
+    # (STALE, on that evidence) and comes back with its new run
+    return Router(["--config", "router.toml", "--port", "0", "--proxy"], cwd=tmp)
 
 
 def _proxy(router: Router, prompt: str):

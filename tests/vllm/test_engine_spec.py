@@ -23,7 +23,7 @@ from .engine import BLOCK, EngineFailed, free_port, start_engine, wait_for
 
 
 DEVICE_BLOCKS = 20
-CPU_BLOCKS = 24
+CPU_BLOCKS = 48  # > 2x the device: a prompt the device evicts stays a few fillers in the CPU tier
 
 
 def ids(n: int, seed: int) -> list[int]:

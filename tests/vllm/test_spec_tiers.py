@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import os
 import sys
 import threading
 import time
@@ -22,6 +23,8 @@ from manager.base import LookupResult, NumpyBlockIO, ReqContext, make_offload_ke
 from manager.spec_cpu import CPUOffloadingSpec
 
 if importlib.util.find_spec("vllm_kvblockd") is None:
+    if os.environ.get("KVEVENTS_REQUIRE_VLLM") == "1":  # the real-engine run (tests/vllm/setup-venv.sh installs it)
+        raise ImportError("vllm-kvblockd is not installed (pip install --no-deps vllm-kvblockd==0.1.0)")
     pytest.skip("vllm-kvblockd not installed (pip install --no-deps vllm-kvblockd==0.1.0)", allow_module_level=True)
 
 BLOCK = 256
