@@ -35,14 +35,14 @@ def drain(sock: zmq.Socket, limit: int, srcfd: bool = False) -> tuple[list[list[
     append = msgs.append
     for _ in range(limit):
         try:
-            f = recv(_NOBLOCK, copy=False)
+            f = recv(_NOBLOCK, False)  # copy=False, positional: no keyword parsing
         except zmq.Again:
             return msgs, fds, True
         if fds is not None:
             fds.append(f.get(_SRCFD))
         frames = [f.bytes]
         while f.more:
-            f = recv(0, copy=False)
+            f = recv(0, False)
             frames.append(f.bytes)
         append(frames)
     return msgs, fds, False
