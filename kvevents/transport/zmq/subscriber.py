@@ -250,11 +250,17 @@ class Subscriber(RestartDetection, EventSource):
             if kind == "live":
                 self._drain_live(peer, sock, now, out)
                 continue
-            for frames in drain(sock, _DRAIN)[0]:  # bounded drain per socket keeps publishers fair
+            for _ in range(_DRAIN):  # bounded drain per socket keeps publishers fair
+                # a message at a time: what arrives while one is used is read in this poll too,
+                # and nothing is read past an answer that dropped this socket (closed)
+                msgs, _, dry = drain(sock, 1)
+                if dry:
+                    break
+                frames = msgs[0]
                 if tap is not None:
                     tap(peer.name, "replay", frames)
                 self._on_replay(peer, frames, now, out)
-                if peer.dealer is not sock:  # dropped (closed): what was read after is a stale answer
+                if peer.dealer is not sock:
                     break
         table = self._table
         if table.probe_after is not None:
