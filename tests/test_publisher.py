@@ -310,25 +310,34 @@ def test_shutdown_accounts_for_every_batch_of_a_stuck_group(stall_at: str) -> No
 
 
 def test_replay_clients_are_rate_limited_but_answered() -> None:
+    """One client's requests, one after another: every one answered, at most the token bucket's
+    pace. No wall-clock bound: what the bucket must have done follows from the test's own clock.
+    The server takes request k (k answered before it) no earlier than request 0 and no later than
+    answer k arrives here, so its bucket then held at most ``burst - k + rate * elapsed_k``
+    tokens (``elapsed_k``: request 0 sent to answer k received): below 1, request k waited
+    (``replay_rate_limited``); and the last one admitted means elapsed >= (n - burst) / rate."""
+    rate, burst, n = 50.0, 2, 6
     ep, rep = ipc_pair()
-    pub = ZmqEventPublisher(ep, rep, replay_rate=50.0, replay_burst=2)
+    pub = ZmqEventPublisher(ep, rep, replay_rate=rate, replay_burst=burst)
     for i in range(3):
         pub.publish(batch(i))
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(rep)
     try:
-        ends = 0
-        for _ in range(6):
+        answered_at = []
+        t0 = time.monotonic()
+        for _ in range(n):
             dealer.send_multipart([b"", (1 << 64 - 1).to_bytes(8, "big")])
-            while True:
-                frames = _recv(dealer)
-                if frames[2] == END:
-                    ends += 1
-                    break
-        assert ends == 6
-        assert pub.stats()["replay_rate_limited"] >= 3
-        assert pub.stats()["replay_requests"] == 6
+            while _recv(dealer)[2] != END:
+                pass
+            answered_at.append(time.monotonic() - t0)
+        stats = pub.stats()
+        assert stats["replay_requests"] == n
+        must_wait = sum(1 for k, e in enumerate(answered_at) if burst - k + rate * e < 1.0)
+        # a fast machine: requests 2..5 each found the bucket empty; a slow one: fewer had to
+        assert must_wait <= stats["replay_rate_limited"] <= n - burst, (answered_at, stats)
+        assert answered_at[-1] >= (n - burst) / rate, answered_at  # paced: 6 answers took >= 80 ms
     finally:
         dealer.close(0)
         pub.shutdown()

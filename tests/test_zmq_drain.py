@@ -91,3 +91,17 @@ def test_drain_gives_each_message_its_connection_descriptor() -> None:
         for s in senders:
             s.close(0)
         b.close(0)
+
+
+def test_an_error_other_than_again_propagates() -> None:
+    a, b = _pair(ipc_pair()[0])
+    a.close(0)
+    b.close(0)
+    try:
+        _recv.drain(b, 64)
+    except zmq.Again:  # a closed socket is not "dry": the caller must see it
+        raise AssertionError("a closed socket read as dry") from None
+    except zmq.ZMQError as e:
+        assert e.errno == zmq.ENOTSOCK
+    else:
+        raise AssertionError("a drain of a closed socket returned")

@@ -2,8 +2,9 @@
 monitor events and frames that a loaded machine produces only now and then.
 
 ``BindSim`` replaces a real bind-mode :class:`~kvevents.Subscriber`'s bound socket, its monitor
-and its poller with fakes over the same pyzmq calls (``recv``/``recv(copy=False)`` with
-``SRCFD``, ``getsockopt(RCVMORE)``, ``getsockopt(EVENTS)``, the monitor's ``recv_multipart``).
+and its poller with fakes over the same pyzmq calls (``recv``/``recv(copy=False)`` with the
+Frame's ``SRCFD`` and ``more``, ``getsockopt(RCVMORE)``, ``getsockopt(EVENTS)``, the monitor's
+``recv_multipart``).
 Connections have file-descriptor numbers the script picks, so a number can be reused after a
 close, as the kernel does. What libzmq guarantees is kept: a connection's accept is queued on the
 monitor before its first frame can be read, its close after its last frame was queued for the
@@ -50,10 +51,10 @@ class Conn:
 
 
 class _Frame:
-    __slots__ = ("bytes", "fd")
+    __slots__ = ("bytes", "fd", "more")
 
-    def __init__(self, data: bytes, fd: int) -> None:
-        self.bytes, self.fd = data, fd
+    def __init__(self, data: bytes, fd: int, more: bool) -> None:
+        self.bytes, self.fd, self.more = data, fd, more
 
     def get(self, prop):
         assert prop == zmq.SRCFD
@@ -81,7 +82,7 @@ class _Sub:
             self.parts.extend(conn.frames.popleft())
             self.fd = conn.fd
         data = self.parts.popleft()
-        return data if copy else _Frame(data, self.fd)
+        return data if copy else _Frame(data, self.fd, bool(self.parts))
 
     def getsockopt(self, opt):
         if opt == zmq.RCVMORE:

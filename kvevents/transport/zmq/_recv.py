@@ -1,23 +1,22 @@
-"""A drain of one socket, in Python through pyzmq's public API: the live path's one read loop.
+"""The subscriber's one read loop, in Python through pyzmq's public API.
 
 :func:`drain` reads the messages waiting on a socket without waiting, each as the list of its
-frames' bytes: ``recv(copy=False)`` and the Frame's ``more`` flag (no ``getsockopt(RCVMORE)``,
-which builds an enum per call: 1.86 vs 2.63 us of CPU per 3-frame message, benchmarks/NOTES.md).
+frames' bytes. Every socket the subscriber reads goes through it: the connect-mode SUB sockets
+and the bound SUB socket (:mod:`.restarts`), the replay DEALERs (:mod:`.subscriber`).
 
-``NATIVE`` is None: there is no C helper for the live path any more (a C drain bound to libzmq
-needs libzmq's headers and the very libzmq pyzmq loaded, which pyzmq's wheels do not offer to
-other extensions; benchmarks/NOTES.md). It stays importable, with ``STATUS``, for the
-subscriber's drain, which checks it.
+Why this loop (benchmarks/NOTES.md, issue 25): ``recv(NOBLOCK, copy=False)`` and the Frame's
+``more`` flag, which pyzmq fills from ``RCVMORE`` in C as it receives, then ``Frame.bytes``.
+``getsockopt(RCVMORE)`` after a copying ``recv`` builds a ``SocketOption`` enum per call (so does
+the backend's ``get``), and ``recv_multipart`` is that loop in Python: 2.3 / 2.3 / 2.7 against
+1.7 us of CPU per 3-frame message. There is no C drain: a C extension bound to the libzmq pyzmq
+loaded needs libzmq's headers, which pyzmq's wheels do not ship.
 """
 
 from __future__ import annotations
 
 import zmq
 
-__all__ = ["NATIVE", "STATUS", "drain"]
-
-NATIVE = None
-STATUS = "python (pyzmq's recv and send)"
+__all__ = ["drain"]
 
 _NOBLOCK, _SRCFD = zmq.NOBLOCK, zmq.SRCFD
 
@@ -36,14 +35,14 @@ def drain(sock: zmq.Socket, limit: int, srcfd: bool = False) -> tuple[list[list[
     append = msgs.append
     for _ in range(limit):
         try:
-            f = recv(_NOBLOCK, copy=False)
+            f = recv(_NOBLOCK, False)  # copy=False, positional: no keyword parsing
         except zmq.Again:
             return msgs, fds, True
         if fds is not None:
             fds.append(f.get(_SRCFD))
         frames = [f.bytes]
         while f.more:
-            f = recv(0, copy=False)
+            f = recv(0, False)
             frames.append(f.bytes)
         append(frames)
     return msgs, fds, False

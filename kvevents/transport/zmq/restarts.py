@@ -19,12 +19,12 @@ from __future__ import annotations
 import zmq
 
 from ...delivery import Delivery
-from ._recv import NATIVE as _NATIVE
+from ._recv import drain
 from .peers import Peer, reconnected
 
 __all__ = ["RestartDetection"]
 
-NOBLOCK, RCVMORE, SRCFD, EVENTS, POLLIN = zmq.NOBLOCK, zmq.RCVMORE, zmq.SRCFD, zmq.EVENTS, zmq.POLLIN
+EVENTS, POLLIN = zmq.EVENTS, zmq.POLLIN
 #: messages taken from one socket per poll: keeps publishers fair and the deliveries a poll
 #: holds (and the garbage collector scans) small
 DRAIN = 64
@@ -45,56 +45,21 @@ class RestartDetection:
         """The bound socket: read a drain's frames (with their descriptors while some connection
         needs attributing), then what the monitor reported meanwhile, then use them (see .conns)."""
         conns = self._conns
-        watch = conns.watching()
-        recv = sock.recv
-        more = sock.getsockopt
-        msgs = []
-        drained = False
-        for _ in range(DRAIN):
-            try:
-                if watch:
-                    first = recv(NOBLOCK, copy=False)
-                    fd = first.get(SRCFD)
-                    frames = [first.bytes]
-                else:
-                    frames = [recv(NOBLOCK)]
-                    fd = -1
-            except zmq.Again:
-                drained = True
-                break
-            while more(RCVMORE):
-                frames.append(recv())
-            msgs.append((frames, fd))
-        conns.after_drain(sock, drained)
+        msgs, fds, dry = drain(sock, DRAIN, conns.watching())
+        conns.after_drain(sock, dry)
         tap = self.tap
-        for frames, fd in msgs:
+        for i, frames in enumerate(msgs):
             if tap is not None:
                 tap(None, "pub", frames)
-            self._on_live(None, frames, now, out, fd)
+            self._on_live(None, frames, now, out, -1 if fds is None else fds[i])
 
     def _drain_live(self, peer: Peer, sock: zmq.Socket, now: float, out: list[Delivery]) -> None:
         """Connect mode: read a drain of ``peer``'s SUB socket, then its monitor (a reconnect
         reported meanwhile comes before any of those frames is used), then use them."""
         read_at = peer.epoch
-        if _NATIVE is not None and type(sock) is zmq.Socket:  # the same messages, in one C call (._zmqrecv)
-            msgs, dry, err = _NATIVE.drain(sock.underlying, DRAIN)
-            if dry:
-                peer.epoch += 1
-            if err:
-                raise zmq.ZMQError(err)
-        else:
-            recv = sock.recv
-            more = sock.getsockopt
-            msgs = []
-            for _ in range(DRAIN):  # frame by frame: pyzmq's recv_multipart costs ~2x as much per message
-                try:
-                    frames = [recv(NOBLOCK)]
-                except zmq.Again:
-                    peer.epoch += 1
-                    break
-                while more(RCVMORE):
-                    frames.append(recv())
-                msgs.append(frames)
+        msgs, _, dry = drain(sock, DRAIN)
+        if dry:
+            peer.epoch += 1
         if peer.monitor.getsockopt(EVENTS) & POLLIN and reconnected(peer):
             self._connect_reconnected(peer, now, out)
         tap = self.tap

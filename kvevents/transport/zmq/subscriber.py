@@ -33,6 +33,7 @@ from ...delivery import Delivery, PublisherHealth
 from ...errors import DecodeError, EndpointError
 from ...source import EventSource
 from ...tracker import SeqTracker
+from ._recv import drain
 from .conns import DROP, NEW, BindConnections, local_address
 from .endpoints import probe_replay_endpoint, validate_endpoint
 from .frames import is_end_marker, is_replay_answer, replay_request
@@ -41,8 +42,6 @@ from .restarts import DRAIN as _DRAIN
 from .restarts import RestartDetection, tail_bound
 
 __all__ = ["Subscriber", "PublisherSpec"]
-
-NOBLOCK, RCVMORE = zmq.NOBLOCK, zmq.RCVMORE
 
 
 @dataclass(slots=True)
@@ -251,16 +250,13 @@ class Subscriber(RestartDetection, EventSource):
             if kind == "live":
                 self._drain_live(peer, sock, now, out)
                 continue
-            recv = sock.recv
-            more = sock.getsockopt
             for _ in range(_DRAIN):  # bounded drain per socket keeps publishers fair
-                # frame by frame: pyzmq's recv_multipart costs ~2x as much per message
-                try:
-                    frames = [recv(NOBLOCK)]
-                except zmq.Again:
+                # a message at a time: what arrives while one is used is read in this poll too,
+                # and nothing is read past an answer that dropped this socket (closed)
+                msgs, _, dry = drain(sock, 1)
+                if dry:
                     break
-                while more(RCVMORE):
-                    frames.append(recv())
+                frames = msgs[0]
                 if tap is not None:
                     tap(peer.name, "replay", frames)
                 self._on_replay(peer, frames, now, out)
