@@ -139,6 +139,44 @@ def test_only_the_vllm_plugin_imports_vllm():
                for name, _ in _imported_names(mod, path))  # (the check can see a vllm import)
 
 
+def _private_crossings(mod: str, path: Path) -> list[str]:
+    """Where ``mod`` reaches into another top-level package's private parts: a ``_module`` of it
+    (``from kvevents.transport.nats._loop import X``, ``import consumers._fastpath``, a literal
+    ``import_module``) or a ``_name`` taken from one of its modules (``from consumers.keys import
+    _FAST``). A package's own private modules (``consumers._accel`` in ``consumers``) are its own
+    business; another package gets the public name or asks for one to be made."""
+    top = mod.split(".")[0]
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    bad = [f"{rel}:{line} imports {name}" for name, line in _imported_names(mod, path)
+           if name.split(".")[0] in PACKAGES and name.split(".")[0] != top
+           and any(part.startswith("_") for part in name.split(".")[1:])]
+    for node in _walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] in PACKAGES and node.module.split(".")[0] != top:
+                bad += [f"{rel}:{node.lineno} imports {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and f"{node.module}.{a.name}" not in MODULES.keys() | EXTENSIONS]
+    return bad
+
+
+def test_no_package_imports_another_packages_private_parts():
+    """``kvservice`` (or any package) uses what ``kvevents``/``consumers``/``manager`` publish;
+    a private module or name is free to change under its own package's tests only."""
+    bad = [b for mod, path in MODULES.items() for b in _private_crossings(mod, path)]
+    assert bad == []
+
+
+def test_the_private_import_check_finds_one(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("from kvevents.transport.nats._loop import LoopThread\n"
+                    "def f():\n    import consumers._fastpath\n"
+                    "from consumers.keys import _FAST\nfrom consumers import _accel\n"
+                    "from ._private import ok\nfrom kvservice._mine import ok2\n"
+                    "from kvevents.transport.nats.loop import LoopThread\n")
+    found = _private_crossings("kvservice.probe", path)
+    assert sorted(f.split(" imports ")[1] for f in found) == [
+        "consumers._accel", "consumers._fastpath", "consumers.keys._FAST", "kvevents.transport.nats._loop"]
+
+
 def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan), each sorted."""
     index, low, on_stack, stack, cycles = {}, {}, set(), [], []
