@@ -177,6 +177,57 @@ def test_the_private_import_check_finds_one(tmp_path):
         "consumers._accel", "consumers._fastpath", "consumers.keys._FAST", "kvevents.transport.nats._loop"]
 
 
+def _topic_writes(path: Path) -> list[str]:
+    """Where ``path`` changes an object's ``topic``: ``x.topic = ...`` (plain, augmented,
+    annotated or unpacked), ``setattr(x, "topic", ...)``, or ``replace(x, topic=...)``."""
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    bad = []
+
+    def targets(t: ast.AST):
+        if isinstance(t, (ast.Tuple, ast.List)):
+            for e in t.elts:
+                yield from targets(e)
+        elif isinstance(t, ast.Starred):
+            yield from targets(t.value)
+        else:
+            yield t
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        found = []
+        if isinstance(node, ast.Assign):
+            found = [t for tgt in node.targets for t in targets(tgt)]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            found = [node.target]
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+            found = list(targets(node.target))
+        if any(isinstance(t, ast.Attribute) and t.attr == "topic" for t in found):
+            bad.append(f"{rel}:{getattr(node, 'lineno', '?')}: assigns .topic")
+        if isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+            if name == "setattr" and len(node.args) > 1 and _literal(node.args[1]) == "topic":
+                bad.append(f"{rel}:{node.lineno}: setattr .topic")
+            if name == "replace" and any(k.arg == "topic" for k in node.keywords):
+                bad.append(f"{rel}:{node.lineno}: replace(topic=...)")
+    return bad
+
+
+def test_the_service_never_rewrites_a_deliverys_topic():
+    """A delivery's topic is what the engine sent; the router is told once which pod (and model)
+    a publisher is (``KVRouter.attribute``), so nothing in the service rewrites a topic for the
+    feed to parse back (issue 25)."""
+    bad = [b for mod, path in MODULES.items() if mod.split(".")[0] == "kvservice" for b in _topic_writes(path)]
+    assert bad == []
+
+
+def test_the_topic_write_check_finds_one(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("def take(d, e, f, g):\n    d.topic = 'kv@a@m'\n    e.topic += 'x'\n"
+                    "    f.seq, g.topic = 1, 'y'\n    setattr(d, 'topic', 'z')\n    replace(d, topic='w')\n"
+                    "    topic = d.topic\n    d.seq = 2\n")
+    assert sorted(int(b.split(": ", 1)[0].rsplit(":", 1)[1]) for b in _topic_writes(path)) == [2, 3, 4, 5, 6]
+
+
 def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan), each sorted."""
     index, low, on_stack, stack, cycles = {}, {}, set(), [], []
