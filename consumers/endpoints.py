@@ -74,6 +74,9 @@ class Endpoints:
         self.next_slot = 0
         self.pod_model: dict[str, str] = {}
         self.pub_pod: dict[str, str] = {}  #: publisher identity -> the pod its deliveries went to
+        #: publisher identity -> (pod, model) its owner told (:meth:`attribute`): the one place a
+        #: publisher is attributed by name rather than by topic (model None: the topic's, else the default)
+        self.attributed: dict[str, tuple[str, str | None]] = {}
         self.health: dict[str, str] = {}  #: pod -> RECOVERING / STALE (SYNCED pods absent)
         #: UNRELIABLE pods still re-learning -> batches left until their discount ends
         self.uncertain: dict[str, int] = {}
@@ -141,22 +144,47 @@ class Endpoints:
         raise PodRefused(msg)
 
     def pod_for(self, publisher: str, topic: str) -> tuple[str, str | None]:
-        """``(pod, model)`` of a delivery: a pinned publisher's pod, else the topic's, else the
-        publisher identity. Refuses (counted, :class:`PodRefused`) an unpinned publisher when
-        ``pinned_only``, and a topic claiming a pod pinned to another publisher."""
+        """``(pod, model)`` of a delivery: an attributed publisher's (:meth:`attribute`), else a
+        pinned publisher's pod, else the topic's, else the publisher identity. Refuses (counted,
+        :class:`PodRefused`) an unpinned publisher when ``pinned_only``, and a topic claiming a pod
+        pinned to another publisher."""
+        told = self.attributed.get(publisher)
+        if told is not None:
+            if told[1] is None:  # its model: the topic's, else (Endpoints.get) the pod's or the default
+                return told[0], pod_from_topic(topic)[1]
+            return told
         pod, model = pod_from_topic(topic)
-        cfg = self.cfg
-        pinned = cfg.publisher_pods.get(publisher)
+        pinned = self.cfg.publisher_pods.get(publisher)
         if pinned is not None:
             return pinned, model
-        if cfg.pinned_only:
+        return self._claim(publisher, pod or publisher, f"its topic {topic!r}"), model
+
+    def _claim(self, publisher: str, pod: str, how: str) -> str:
+        """``pod`` for an unpinned ``publisher``, or refused (counted): when ``pinned_only``, or
+        when ``pod`` is pinned to another publisher."""
+        if self.cfg.pinned_only:
             self.refuse("unpinned_publisher", f"publisher {publisher!r} refused: not in publisher_pods "
                         "(pinned_only)")
-        pod = pod or publisher
         if pod in self.pinned:
-            self.refuse("pod_claim_refused", f"publisher {publisher!r} refused: its topic {topic!r} names pod "
+            self.refuse("pod_claim_refused", f"publisher {publisher!r} refused: {how} names pod "
                         f"{pod!r}, pinned to publisher {self.pinned[pod]!r}")
-        return pod, model
+        return pod
+
+    def attribute(self, publisher: str, pod: str, model: str | None = None) -> None:
+        """Publisher ``publisher`` is pod ``pod`` serving ``model`` (None: the model its topic
+        names, else the pod's or ``RouterConfig.model``): from now on its deliveries go there,
+        whatever their topic says. A pinned publisher may be told only its own pod; an unpinned
+        one is refused (counted, :class:`PodRefused`) as its topic would be: under ``pinned_only``,
+        or naming a pod pinned to another publisher."""
+        if not isinstance(pod, str) or not pod:
+            raise RouterInputError(f"attribute: pod must be a non-empty str, got {pod!r}")
+        pinned = self.cfg.publisher_pods.get(publisher)
+        if pinned is None:
+            self._claim(publisher, pod, "its attribution")
+        elif pinned != pod:
+            raise RouterInputError(f"attribute: publisher {publisher!r} is pinned to pod {pinned!r} "
+                                   f"(publisher_pods), not {pod!r}")
+        self.attributed[publisher] = (pod, model)
 
     def of_pod(self, pod: str) -> list[Endpoint]:
         return [ep for ep in self.by_key.values() if ep.pod == pod]

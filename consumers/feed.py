@@ -30,20 +30,32 @@ class KVRouter(Protocol):
     def mark_resynced(self, pod: str) -> None: ...
     def reset_pod(self, pod: str) -> None: ...
     def set_health(self, pod: str, state: str) -> None: ...
-    def handle(self, delivery: object) -> None: ...
+    def handle(self, delivery: object) -> str: ...
     def refresh_health(self, source: object) -> None: ...
 
 
-__all__ = ["Feed", "handle", "refresh_health", "run"]
+__all__ = ["APPLIED", "BAD", "EMPTY", "Feed", "MALFORMED", "OUTCOMES", "REFUSED", "UNKNOWN", "handle",
+           "refresh_health", "run"]
+
+#: what :func:`handle` did with one delivery (each one not APPLIED is also counted in the router's
+#: stats, under the name given): the caller acts on the one it got, never on a counter's difference
+APPLIED = "applied"  #: the batch indexed, or the RESET / GAP applied to the pod
+REFUSED = "refused"  #: the pod refused: past max_pods, or a claim a pin forbids (stats.pods_refused)
+BAD = "bad"  #: a batch the router could not index (stats.errors["bad_delivery"])
+MALFORMED = "malformed"  #: an undecodable payload; the pod marked UNRELIABLE (stats.errors["malformed_payload"])
+EMPTY = "empty"  #: a BATCH delivery with no batch and no payload (stats.errors["empty_delivery"])
+UNKNOWN = "unknown"  #: a delivery of a kind not known here (stats.errors["unknown_delivery"])
+OUTCOMES = frozenset({APPLIED, REFUSED, BAD, MALFORMED, EMPTY, UNKNOWN})
 
 
-def handle(router: KVRouter, delivery: object) -> None:
-    """Apply one :class:`kvevents.delivery.Delivery` to ``router``."""
+def handle(router: KVRouter, delivery: object) -> str:
+    """Apply one :class:`kvevents.delivery.Delivery` to ``router``; return the outcome (one of
+    :data:`OUTCOMES`)."""
     kind = getattr(getattr(delivery, "kind", None), "value", None)
     try:
         pod, model = router.endpoints.pod_for(delivery.publisher, delivery.topic)  # type: ignore[attr-defined]
     except PodRefused:  # (a pin forbids it: counted in stats.pods_refused and stats.errors)
-        return
+        return REFUSED
     eps = router.endpoints
     eps.pub_pod[delivery.publisher] = pod  # type: ignore[attr-defined]
     if kind == "batch":
@@ -55,26 +67,30 @@ def handle(router: KVRouter, delivery: object) -> None:
                 payload = getattr(delivery, "payload", None)
                 if payload is None:
                     router.count_error("empty_delivery", f"pod {pod!r}: BATCH delivery without a batch")
-                    return
+                    return EMPTY
                 try:  # a raw-mode subscriber: the payload, decoded here (in C where it is built)
                     router.apply_payload(pod, payload, model=model)
                 except DecodeError as exc:  # a lost batch, as a subscriber that decodes reports it
                     router.count_error("malformed_payload", f"pod {pod!r}: seq {delivery.seq}: {exc}")  # type: ignore[attr-defined]
                     router.mark_unreliable(pod)
-                    return
+                    return MALFORMED
             if eps.uncertain and pod in eps.uncertain:  # an UNRELIABLE pod re-learning: one batch closer
                 eps.relearn_one(pod)
         except PodRefused:  # (one pod past max_pods: counted in stats.pods_refused and stats.errors)
-            pass
+            return REFUSED
         except RouterInputError as exc:
             router.count_error("bad_delivery", str(exc))
-    elif kind == "reset":
+            return BAD
+        return APPLIED
+    if kind == "reset":
         router.reset_pod(pod)
         router.mark_resynced(pod)
-    elif kind == "gap":
+        return APPLIED
+    if kind == "gap":
         router.mark_unreliable(pod)
-    else:
-        router.count_error("unknown_delivery", f"pod {pod!r}: delivery of unknown kind {kind!r}")
+        return APPLIED
+    router.count_error("unknown_delivery", f"pod {pod!r}: delivery of unknown kind {kind!r}")
+    return UNKNOWN
 
 
 class Feed:

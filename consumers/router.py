@@ -59,7 +59,9 @@ class KVRouter:
         self._learned = LearnedMap(config.max_learned or config.max_entries,
                                    table=_FAST.LearnedTable if native else None)  # type: ignore[union-attr]
         layout = accel if accel is not None else SlotLayout(max_tiers=config.max_tiers)
+        told = self._eps.attributed if hasattr(self, "_eps") else {}  # (what the owner said stays across a restore)
         self._eps = Endpoints(config, layout, self._learned, self._stats)  # type: ignore[arg-type]
+        self._eps.attributed = told
         if native:
             self._ingest: Ingestor = NativeIngestor(config, self._eps, index, self._learned, self._stats, accel)
         else:
@@ -160,12 +162,18 @@ class KVRouter:
 
     # --- driving from an event source -------------------------------------------------------------
     def pod_for(self, publisher: str, topic: str) -> tuple[str, str | None]:
-        """``(pod, model)`` of a delivery (:meth:`Endpoints.pod_for`: pins, refusals)."""
+        """``(pod, model)`` of a delivery (:meth:`Endpoints.pod_for`: attributions, pins, refusals)."""
         return self._eps.pod_for(publisher, topic)
 
-    def handle(self, delivery: object) -> None:
-        """Apply one :class:`kvevents.delivery.Delivery`."""
-        self.feed.handle(self, delivery)
+    def attribute(self, publisher: str, pod: str, model: str | None = None) -> None:
+        """Publisher ``publisher`` is pod ``pod`` serving ``model``: its deliveries go there
+        whatever their topic says (:meth:`Endpoints.attribute`; kept across a restore)."""
+        self._eps.attribute(publisher, pod, model)
+
+    def handle(self, delivery: object) -> str:
+        """Apply one :class:`kvevents.delivery.Delivery`; the outcome (:data:`consumers.feed.OUTCOMES`:
+        ``"applied"``, ``"bad"``, ``"refused"``...), so a caller acts on this delivery's own."""
+        return self.feed.handle(self, delivery)
 
     def refresh_health(self, source: object) -> None:
         feed.refresh_health(self, source)

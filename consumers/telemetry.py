@@ -103,6 +103,8 @@ class RouterProbe:
                  "messaging.message.id": mid, "kvevents.publisher": delivery.publisher,
                  "kvevents.delivery.kind": kind, "kvevents.seq": seq,
                  "kvevents.router.errors": sum(stats.errors.values()) - before}
+        if isinstance(out, str):  # what the feed did with it (consumers.feed.OUTCOMES)
+            attrs["kvevents.delivery.outcome"] = out
         batch = delivery.batch
         if batch is not None:
             attrs["messaging.batch.message_count"] = len(batch.events)
@@ -164,7 +166,7 @@ class TracedFeed:
         self.probe = probe
         self._batch = DeliveryKind.BATCH
 
-    def handle(self, router: Any, delivery: Any) -> None:
+    def handle(self, router: Any, delivery: Any) -> str:
         p = self.probe
         if p.tracer is None or (delivery.seq % p.every and delivery.kind is self._batch):
             return self.inner.handle(router, delivery)

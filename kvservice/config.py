@@ -47,6 +47,7 @@ Schema (every section and key optional unless marked; unknown keys are errors)::
 from __future__ import annotations
 
 import importlib.util
+import os
 
 try:
     import tomllib
@@ -156,6 +157,24 @@ class ServiceConfig:
             return RouterConfig(**kw)
         except ConfigError as exc:
             raise ConfigError(f"[router]: {exc}") from None
+
+    def event_source(self) -> tuple[list[str], dict[str, Any]]:
+        """``(urls, options)`` for :func:`kvevents.open_source`: the JetStream event plane (a
+        durable consumer), else the bind endpoint (pods told apart by topic), else every rank's
+        PUB endpoint, named by its identity (``pod``, ``pod#dp1``...) with its replay endpoint."""
+        sc = self.subscriber
+        if sc.event_plane is not None:  # (kind named: a tls:// URL is the plane too)
+            return [sc.event_plane], {"kind": "nats", "durable": sc.replica_name or f"kvrouter-{os.getpid()}",
+                                      "stale_after": sc.stale_after}
+        # kind named: one subscriber reads tcp:// and ipc:// pods alike
+        opts = {"kind": "zmq", "late_join": sc.late_join, "stale_after": sc.stale_after,
+                "replay_timeout": sc.replay_timeout, "raw": True}
+        if sc.bind is not None:
+            replays = {p.topic or "": p.replay_endpoint for p in self.pods if p.replay_endpoint}
+            return [sc.bind], {**opts, "bind": True, "replay_endpoints": replays}
+        ranks = [r for p in self.pods for r in p.publishers()]
+        return [ep for _, ep, _ in ranks], {**opts, "names": {ep: ident for ident, ep, _ in ranks},
+                                            "replays": {ep: rep for _, ep, rep in ranks if rep}}
 
     def pod_model(self, pod: PodConfig) -> str | None:
         return pod.model or self.router.get("model")

@@ -1,4 +1,4 @@
-"""The service's ingest side: a Subscriber feeding a KVRouter on a thread of its own.
+"""The service's ingest side: an event source feeding a KVRouter on a thread of its own.
 
 Threads: the ingest thread is the only one that polls the subscriber and feeds the router;
 every router call (``handle``, ``refresh_health``, ``score``/``pick``/``explain``,
@@ -7,23 +7,29 @@ for one answer on the API side, so a query sees the index between two batches, n
 one. The pod table (:meth:`Fleet.pods_view`) and readiness are rebuilt by the ingest thread
 from subscriber health and read by the API as one immutable snapshot (an attribute swap).
 
-Attribution: a batch is indexed under a pod and a model. A configured publisher's batches get
-the pod's name and model whatever their topic says (vLLM's default topic is ``""``); in bind
-mode a topic ``kv@<pod>@<model>`` names both, another non-empty topic is the pod with the
-default model. A batch that can still not be attributed is never dropped silently: it is
-counted per publisher with the reason, logged once, and shown in ``/v1/pods`` and metrics.
+The source is whatever :func:`kvevents.open_source` builds from the configuration
+(:meth:`ServiceConfig.event_source`: ZeroMQ connect or bind mode, or the JetStream event plane).
+
+Attribution: a batch is indexed under a pod and a model, and the router is the one place that
+knows which (:meth:`KVRouter.attribute`, told once per publisher; a delivery's topic is never
+rewritten). A configured publisher is told at start: its pod's name and model, whatever its
+topic says (vLLM's default topic is ``""``); in bind mode a publisher not configured is told at
+its first batch: a topic ``kv@<pod>@<model>`` names both, another non-empty topic is the pod with
+the default model. A batch that can still not be attributed is never dropped silently: it is
+counted per publisher with the reason, logged once, and shown in ``/v1/pods`` and metrics; so is
+a batch the router could not index (the feed's ``"bad"`` outcome for that delivery).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 
-from consumers import KVRouter, pod_from_topic
-from kvevents import PublisherSpec, Subscriber, peek_ts
+from consumers import KVRouter, PodRefused, pod_from_topic
+from consumers.feed import BAD
+from kvevents import open_source, peek_ts
 from kvevents.errors import DecodeError
 
 from .config import ServiceConfig
@@ -109,9 +115,8 @@ class Fleet:
         #: (``subscriber.poll_interval``); a backlog is drained without pause
         self.poll_interval = cfg.subscriber.poll_interval
         self.paced = 0  #: polls followed by a pause (a trickle)
-        #: publisher identity -> (pod, topic the router sees): fixed for configured ones
-        self._attr: dict[str, tuple[str, str]] = {}
-        self._pod_cfg = {p.name: p for p in cfg.pods}
+        #: publisher identity -> (pod, model): what the router was told (configured ones at start)
+        self._attr = self.router.endpoints.attributed
         self.models: set[str] = cfg.models()
         self.unattributed: dict[str, Unattributed] = {}
         self.ingest_errors = 0  #: exceptions the ingest loop caught (counted, logged, loop goes on)
@@ -128,28 +133,15 @@ class Fleet:
             if model is not None:  # (else its topic names the model: known from its first batch)
                 # known before it publishes: scored (0 until it has told something), never left out
                 self.router.add_pod(p.name, model)
-            if sc.bind is None:
-                for ident, _ep, _rep in p.publishers():
-                    self._attr[ident] = (p.name, f"kv@{p.name}@{model}")
-                    self.pods[p.name].publishers.append(ident)
-            else:
-                self._attr[p.topic or ""] = (p.name, f"kv@{p.name}@{model}")
-                self.pods[p.name].publishers.append(p.topic or "")
-        if sc.event_plane is not None:  # the JetStream event plane: deliveries name their pod
-            from kvevents.transport.nats.source import JetStreamSource
-
-            for p in cfg.pods:
-                self._attr[p.name] = (p.name, f"kv@{p.name}@{cfg.pod_model(p)}")
-            durable = getattr(sc, "replica_name", None) or f"kvrouter-{os.getpid()}"
-            self.sub = JetStreamSource(sc.event_plane, durable=durable, stale_after=sc.stale_after)
-        elif sc.bind is None:
-            specs = [PublisherSpec(ep, rep, ident) for p in cfg.pods for ident, ep, rep in p.publishers()]
-            self.sub = Subscriber(specs, late_join=sc.late_join, stale_after=sc.stale_after,
-                                  replay_timeout=sc.replay_timeout, raw=True)
-        else:
-            replays = {p.topic or "": p.replay_endpoint for p in cfg.pods if p.replay_endpoint}
-            self.sub = Subscriber(bind=sc.bind, replay_endpoints=replays, late_join=sc.late_join,
-                                  stale_after=sc.stale_after, replay_timeout=sc.replay_timeout, raw=True)
+            # who publishes for it: each rank by identity, or (bind mode) its topic
+            idents = [ident for ident, _ep, _rep in p.publishers()] if sc.bind is None else [p.topic or ""]
+            for ident in idents:
+                self.router.attribute(ident, p.name, model)
+                self.pods[p.name].publishers.append(ident)
+            if sc.event_plane is not None:  # the JetStream event plane: deliveries name their pod
+                self.router.attribute(p.name, p.name, model)
+        urls, options = cfg.event_source()
+        self.sub = open_source(*urls, **options)
         self._refresh(time.time())
 
     # ---- the thread ----------------------------------------------------------------------
@@ -202,15 +194,11 @@ class Fleet:
         self._refresh(time.time(), health)
 
     def take(self, d) -> None:
-        """Attribute and apply one delivery (the ingest thread; tests may call it directly)."""
+        """Apply one delivery, its publisher attributed first if new (the ingest thread; tests
+        may call it directly)."""
         self.deliveries += 1
-        attr = self._attr.get(d.publisher)
-        if attr is None:
-            attr = self._learn(d)
-            if attr is None:
-                return
-        pod, topic = attr
-        d.topic = topic
+        if d.publisher not in self._attr and not self._learn(d):
+            return
         payload = d.payload
         if payload is not None:
             try:
@@ -218,28 +206,31 @@ class Fleet:
             except DecodeError:
                 ts = None
             self._last[d.publisher] = (d.seq, d.recv_ts, ts)
-        router = self.router
-        errors = router.stats.errors
-        before = errors.get("bad_delivery", 0)
         with self.lock:
-            router.handle(d)
-        if errors.get("bad_delivery", 0) != before:
+            outcome = self.router.handle(d)
+        if outcome == BAD:
+            pod = self._attr[d.publisher][0]
             self._unattributed(d.publisher, f"the router could not index pod {pod!r}'s batch (bad_delivery)")
 
-    def _learn(self, d) -> tuple[str, str] | None:
-        """A publisher no pod was configured for (bind mode): attribute it by its topic, or count it."""
+    def _learn(self, d) -> bool:
+        """A publisher no pod was configured for (bind mode): attribute it by its topic (the
+        router told), or count it. False: its delivery is not applied."""
         pod, model = pod_from_topic(d.topic)
         if pod is None and d.topic and not d.topic.startswith("kv@"):
             pod = d.topic
         if pod is None:
             self._unattributed(d.publisher, f"topic {d.topic!r} names no pod and no configured pod has it "
                                "(give the pod topic = this topic in the config)")
-            return None
+            return False
         model = model or self.default_model
         if model is None:
             self._unattributed(d.publisher, f"topic {d.topic!r} names no model and router.model is not set")
-            return None
-        attr = self._attr[d.publisher] = (pod, f"kv@{pod}@{model}")
+            return False
+        try:
+            with self.lock:
+                self.router.attribute(d.publisher, pod, model)
+        except PodRefused:  # a pod pinned to another publisher: refused and counted by the router
+            return False
         self.models = self.models | {model}
         st = self.pods.get(pod)
         if st is None:
@@ -247,7 +238,7 @@ class Fleet:
             self.pods = {**self.pods, pod: st}
         st.publishers.append(d.publisher)
         log.info("publisher %r (topic %r) attributed to pod %r, model %r", d.publisher, d.topic, pod, model)
-        return attr
+        return True
 
     def _unattributed(self, publisher: str, reason: str) -> None:
         u = self.unattributed.get(publisher)

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 
 from kvevents.errors import KVEventsError
-from kvevents.transport.nats._loop import LoopThread, connect
+from kvevents.transport.nats.loop import LoopThread, connect
 from kvevents.transport.nats.source import JetStreamSource
 from kvevents.transport.nats.wire import StreamSpec
 

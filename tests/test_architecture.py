@@ -139,6 +139,95 @@ def test_only_the_vllm_plugin_imports_vllm():
                for name, _ in _imported_names(mod, path))  # (the check can see a vllm import)
 
 
+def _private_crossings(mod: str, path: Path) -> list[str]:
+    """Where ``mod`` reaches into another top-level package's private parts: a ``_module`` of it
+    (``from kvevents.transport.nats._loop import X``, ``import consumers._fastpath``, a literal
+    ``import_module``) or a ``_name`` taken from one of its modules (``from consumers.keys import
+    _FAST``). A package's own private modules (``consumers._accel`` in ``consumers``) are its own
+    business; another package gets the public name or asks for one to be made."""
+    top = mod.split(".")[0]
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    bad = [f"{rel}:{line} imports {name}" for name, line in _imported_names(mod, path)
+           if name.split(".")[0] in PACKAGES and name.split(".")[0] != top
+           and any(part.startswith("_") for part in name.split(".")[1:])]
+    for node in _walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] in PACKAGES and node.module.split(".")[0] != top:
+                bad += [f"{rel}:{node.lineno} imports {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and f"{node.module}.{a.name}" not in MODULES.keys() | EXTENSIONS]
+    return bad
+
+
+def test_no_package_imports_another_packages_private_parts():
+    """``kvservice`` (or any package) uses what ``kvevents``/``consumers``/``manager`` publish;
+    a private module or name is free to change under its own package's tests only."""
+    bad = [b for mod, path in MODULES.items() for b in _private_crossings(mod, path)]
+    assert bad == []
+
+
+def test_the_private_import_check_finds_one(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("from kvevents.transport.nats._loop import LoopThread\n"
+                    "def f():\n    import consumers._fastpath\n"
+                    "from consumers.keys import _FAST\nfrom consumers import _accel\n"
+                    "from ._private import ok\nfrom kvservice._mine import ok2\n"
+                    "from kvevents.transport.nats.loop import LoopThread\n")
+    found = _private_crossings("kvservice.probe", path)
+    assert sorted(f.split(" imports ")[1] for f in found) == [
+        "consumers._accel", "consumers._fastpath", "consumers.keys._FAST", "kvevents.transport.nats._loop"]
+
+
+def _topic_writes(path: Path) -> list[str]:
+    """Where ``path`` changes an object's ``topic``: ``x.topic = ...`` (plain, augmented,
+    annotated or unpacked), ``setattr(x, "topic", ...)``, or ``replace(x, topic=...)``."""
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    bad = []
+
+    def targets(t: ast.AST):
+        if isinstance(t, (ast.Tuple, ast.List)):
+            for e in t.elts:
+                yield from targets(e)
+        elif isinstance(t, ast.Starred):
+            yield from targets(t.value)
+        else:
+            yield t
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        found = []
+        if isinstance(node, ast.Assign):
+            found = [t for tgt in node.targets for t in targets(tgt)]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            found = [node.target]
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+            found = list(targets(node.target))
+        if any(isinstance(t, ast.Attribute) and t.attr == "topic" for t in found):
+            bad.append(f"{rel}:{getattr(node, 'lineno', '?')}: assigns .topic")
+        if isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+            if name == "setattr" and len(node.args) > 1 and _literal(node.args[1]) == "topic":
+                bad.append(f"{rel}:{node.lineno}: setattr .topic")
+            if name == "replace" and any(k.arg == "topic" for k in node.keywords):
+                bad.append(f"{rel}:{node.lineno}: replace(topic=...)")
+    return bad
+
+
+def test_the_service_never_rewrites_a_deliverys_topic():
+    """A delivery's topic is what the engine sent; the router is told once which pod (and model)
+    a publisher is (``KVRouter.attribute``), so nothing in the service rewrites a topic for the
+    feed to parse back (issue 25)."""
+    bad = [b for mod, path in MODULES.items() if mod.split(".")[0] == "kvservice" for b in _topic_writes(path)]
+    assert bad == []
+
+
+def test_the_topic_write_check_finds_one(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("def take(d, e, f, g):\n    d.topic = 'kv@a@m'\n    e.topic += 'x'\n"
+                    "    f.seq, g.topic = 1, 'y'\n    setattr(d, 'topic', 'z')\n    replace(d, topic='w')\n"
+                    "    topic = d.topic\n    d.seq = 2\n")
+    assert sorted(int(b.split(": ", 1)[0].rsplit(":", 1)[1]) for b in _topic_writes(path)) == [2, 3, 4, 5, 6]
+
+
 def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan), each sorted."""
     index, low, on_stack, stack, cycles = {}, {}, set(), [], []

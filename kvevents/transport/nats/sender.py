@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ...errors import DecodeError
-from ._loop import LoopThread, connect
+from .loop import LoopThread, connect
 from .wire import StreamSpec, parse_headers, plane_headers
 
 

@@ -55,7 +55,7 @@ from dataclasses import replace
 from ...delivery import Delivery, HealthState
 from ...errors import ConfigError
 from ...source import EventSource
-from ._loop import LoopThread, connect
+from .loop import LoopThread, connect
 from .pods import PodChecks
 from .wire import StreamSpec
 

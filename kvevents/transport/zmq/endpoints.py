@@ -12,10 +12,37 @@ The rules follow vLLM's publisher so a fleet configured for vLLM works unchanged
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ...errors import EndpointError
 
 SCHEMES = ("tcp://", "ipc://", "inproc://")
 _WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
+
+
+@dataclass(slots=True)
+class PublisherSpec:
+    """One publisher a connect-mode subscriber follows."""
+
+    endpoint: str | None  #: PUB endpoint to connect to (None in bind mode)
+    replay_endpoint: str | None = None
+    name: str | None = None  #: identity in deliveries and health; defaults to the endpoint (or topic in bind mode)
+
+
+def publisher_spec(p: "str | tuple | PublisherSpec") -> PublisherSpec:
+    """``p`` (an endpoint, ``(endpoint, replay[, name])`` or a spec) as a checked PublisherSpec."""
+    if isinstance(p, PublisherSpec):
+        spec = p
+    elif isinstance(p, str):
+        spec = PublisherSpec(p)
+    elif isinstance(p, tuple) and 1 <= len(p) <= 3:
+        spec = PublisherSpec(*p)
+    else:
+        raise EndpointError(f"a publisher is an endpoint string, (endpoint, replay[, name]) or PublisherSpec; got {p!r}")
+    validate_endpoint(spec.endpoint, what="publisher endpoint")
+    if spec.replay_endpoint:
+        validate_endpoint(spec.replay_endpoint, what="replay endpoint")
+    return spec
 
 
 def validate_endpoint(endpoint: str, *, what: str = "endpoint") -> str:

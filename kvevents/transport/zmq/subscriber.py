@@ -24,7 +24,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import zmq
 
@@ -35,20 +35,13 @@ from ...source import EventSource
 from ...tracker import SeqTracker
 from ._recv import drain
 from .conns import DROP, NEW, BindConnections, local_address
-from .endpoints import probe_replay_endpoint, validate_endpoint
+from .endpoints import PublisherSpec, probe_replay_endpoint, publisher_spec, validate_endpoint
 from .frames import is_end_marker, is_replay_answer, replay_request
 from .peers import MOOT, RESTART, Peer, PeerTable, is_connected, reconnected
 from .restarts import DRAIN as _DRAIN
 from .restarts import RestartDetection, tail_bound
 
 __all__ = ["Subscriber", "PublisherSpec"]
-
-
-@dataclass(slots=True)
-class PublisherSpec:
-    endpoint: str | None  #: PUB endpoint to connect to (None in bind mode)
-    replay_endpoint: str | None = None
-    name: str | None = None  #: identity in deliveries and health; defaults to the endpoint (or topic in bind mode)
 
 
 class Subscriber(RestartDetection, EventSource):
@@ -109,7 +102,7 @@ class Subscriber(RestartDetection, EventSource):
         #: any check or healing (``socket`` "pub" or "replay"; ``publisher`` None for the shared
         #: bind-mode socket). The recorder writes what it is given. None: one check per message
         self.tap = None
-        specs = [self._spec(p) for p in publishers]
+        specs = [publisher_spec(p) for p in publishers]
         if bind is None and not specs:
             raise EndpointError("Subscriber needs publisher endpoints, or bind=ENDPOINT for publishers to connect to")
         for ep in self._replay_map.values():
@@ -132,25 +125,19 @@ class Subscriber(RestartDetection, EventSource):
             raise EndpointError(f"cannot open subscriber sockets: {exc}") from None
 
     @classmethod
-    def from_urls(cls, urls: list[str], **options) -> "Subscriber":
-        return cls(urls, **options)  # one subscriber connected to every PUB endpoint in ``urls``
+    def from_urls(cls, urls: list[str], *, bind: bool = False, names: dict[str, str] | None = None,
+                  replays: dict[str, str] | None = None, **options) -> "Subscriber":
+        """Connected to every PUB endpoint in ``urls`` (``names``, ``replays``: an endpoint's
+        identity in deliveries and its replay endpoint); ``bind=True``: bound at the one URL, the
+        publishers connecting to it (``replay_endpoints`` by topic)."""
+        if bind:
+            if len(urls) != 1:
+                raise EndpointError(f"a bind-mode subscriber binds one endpoint, got {urls}")
+            return cls(bind=urls[0], **options)
+        names, replays = names or {}, replays or {}
+        return cls([PublisherSpec(u, replays.get(u), names.get(u)) for u in urls], **options)
 
     # ---- setup -------------------------------------------------------------------------------
-    @staticmethod
-    def _spec(p) -> PublisherSpec:
-        if isinstance(p, PublisherSpec):
-            spec = p
-        elif isinstance(p, str):
-            spec = PublisherSpec(p)
-        elif isinstance(p, tuple) and 1 <= len(p) <= 3:
-            spec = PublisherSpec(*p)
-        else:
-            raise EndpointError(f"a publisher is an endpoint string, (endpoint, replay[, name]) or PublisherSpec; got {p!r}")
-        validate_endpoint(spec.endpoint, what="publisher endpoint")
-        if spec.replay_endpoint:
-            validate_endpoint(spec.replay_endpoint, what="replay endpoint")
-        return spec
-
     def _new_sub(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)

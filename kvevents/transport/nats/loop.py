@@ -1,6 +1,7 @@
 """nats-py is asyncio; our publishers and sources are called from plain threads. A
 :class:`LoopThread` runs one event loop on a dedicated daemon thread and runs coroutines on it
-from any other thread."""
+from any other thread. Public: the plane's sender and source use it, and so does the service's
+replica (``kvservice/replica.py``), which talks to the same JetStream from its own thread."""
 
 from __future__ import annotations
 
