@@ -48,6 +48,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..service_helpers import wait_for  # noqa: F401 (the harness's users import it from here)
+
 BLOCK = 128
 VOCAB = 1024
 MODEL_NAME = "tiny"
@@ -320,15 +322,3 @@ class Router:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait()
-
-
-def wait_for(pred, timeout: float = 30.0, what: str = "condition"):
-    """Poll ``pred`` until truthy (the deadline only bounds a failure)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
