@@ -206,3 +206,35 @@ def test_relearn_batches_is_validated_at_start_up_naming_the_key(bad):
     with pytest.raises(ConfigError, match=r"relearn_batches"):
         from_dict({"router": {"model": MODEL, "relearn_batches": bad},
                    "pods": [{"name": "a", "endpoint": "tcp://127.0.0.1:5999"}]}).validate()
+
+
+def test_a_pod_on_vllms_default_events_config_gets_its_share_of_cold_requests(tmp_path):
+    """Two pods behind the proxy, both publishers up and silent: pod a with a replay endpoint,
+    pod b on vLLM's default events config (none). Before either has published, cold prompts
+    (nothing cached anywhere) reach both engines: b is ready and routed without traffic."""
+    from .test_service_proxy_faults import FakeEngine
+
+    pubs = {"a": ZmqEventPublisher(f"ipc://{tmp_path}/a.pub", f"ipc://{tmp_path}/a.replay", topic=""),
+            "b": ZmqEventPublisher(f"ipc://{tmp_path}/b.pub", None, topic="")}
+    engines = {"a": FakeEngine("ok"), "b": FakeEngine("ok")}
+    cfg = from_dict({"router": {"model": MODEL}, "api": {"port": 0, "proxy": True},
+                     "subscriber": {"late_join": False},
+                     "pods": [{"name": "a", "endpoint": f"ipc://{tmp_path}/a.pub",
+                               "replay_endpoint": f"ipc://{tmp_path}/a.replay", "http": engines["a"].url},
+                              {"name": "b", "endpoint": f"ipc://{tmp_path}/b.pub", "http": engines["b"].url}]})
+    svc = InProcessService(cfg.validate())
+    try:
+        http = svc.http
+        wait_for(lambda: http.get("/readyz")[0] == 200, what="both pods ready without traffic")
+        for i in range(40):
+            status, body = http.post("/v1/completions", {"model": MODEL, "prompt": [5000 + i, 7, 8], "max_tokens": 1})
+            assert status == 200, body
+        posts = {n: e.posts for n, e in engines.items()}
+        assert sum(posts.values()) == 40 and min(posts.values()) >= 5, posts  # spread, never all to one
+        assert all(_pod(http, n)["batches"] == 0 for n in "ab")  # neither published a thing
+    finally:
+        svc.close()
+        for p in pubs.values():
+            p.shutdown(timeout=0.5)
+        for e in engines.values():
+            e.close()
