@@ -39,8 +39,12 @@ from consumers import KVRouter, RouterConfig, fastpath_status
 from consumers.keys import chain_keys, chain_keys_py
 from kvevents import BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _dynamo_peer as dyn  # noqa: E402  (our side of the peer only: it never imports dynamo)
+# our side of the peer only: it never imports dynamo (as a script, this folder is sys.path[0];
+# imported as benchmarks.router, e.g. by service.py, it is a sibling module)
+if __package__:
+    from . import _dynamo_peer as dyn
+else:
+    import _dynamo_peer as dyn
 
 BS = 16
 
