@@ -116,6 +116,13 @@ def run(seconds: float, restarts: int, burners: int, seed: int, workdir: str, bu
                 runs[i] += 1
                 made[i] += 1
                 start(i)
+        # a router that lags under the load may not have read a restarted pod's new run yet: wait
+        # (bounded) until every router has seen at least the restarts made; more than that stays
+        # visible (a false reset), fewer after the deadline is a missed one
+        seen_by = time.monotonic() + 60.0
+        while time.monotonic() < seen_by and any(
+                f.sub.health()[f"pod{i}"].resets < made[i] for f in fleets for i in range(PODS)):
+            time.sleep(0.05)
         results = []  # while the publishers still run: every pod is up, none may be left out
         for f in fleets:
             f._health_round()
