@@ -83,8 +83,8 @@ def nats_server(tmp_path):
         srv.stop()
 
 
-def stream_state(url: str, stream: str = "KVEVENTS"):
-    """(messages, last seq) of the stream, read with a short-lived client."""
+def on_jetstream(url: str, fn):
+    """``await fn(jetstream)`` on a short-lived client of ``url``; its result."""
     import asyncio
 
     import nats
@@ -92,11 +92,18 @@ def stream_state(url: str, stream: str = "KVEVENTS"):
     async def go():
         nc = await nats.connect(url)
         try:
-            info = await nc.jetstream().stream_info(stream)
-            return info.state.messages, info.state.last_seq
+            return await fn(nc.jetstream())
         finally:
             await nc.close()
     return asyncio.run(go())
+
+
+def stream_state(url: str, stream: str = "KVEVENTS"):
+    """(messages, last seq) of the stream, read with a short-lived client."""
+    async def state(js):
+        info = await js.stream_info(stream)
+        return info.state.messages, info.state.last_seq
+    return on_jetstream(url, state)
 
 
 def wait_for(cond, what: str, deadline: float = 30.0, pump=None):

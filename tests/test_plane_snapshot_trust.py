@@ -5,15 +5,13 @@ positions make it cold-start and say why (counter, log, ``status()['cold_start_r
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import nats
 import pytest
 
 from kvservice.planestore import SnapshotRefused, open_envelope, seal, stream_identity
 from kvservice.replica import Replica
-from tests.plane_helpers import nats_server, wait_for  # noqa: F401
+from tests.plane_helpers import nats_server, on_jetstream, wait_for  # noqa: F401
 from tests.plane_ledger import LedgerRouter
 from tests.pubsub_helpers import batch
 from tests.test_plane_replica import _publish, _publisher
@@ -38,16 +36,6 @@ def _saved(url: str, upto: int) -> None:
         a.close()
 
 
-def _on_bucket(url: str, fn):
-    async def go():
-        nc = await nats.connect(url)
-        try:
-            return await fn(nc.jetstream())
-        finally:
-            await nc.close()
-    return asyncio.run(go())
-
-
 def _reference(url: str, last: int) -> LedgerRouter:
     """The index a replica must serve: a cold read of the whole stream."""
     ref = _replica(url, "ref")
@@ -63,7 +51,7 @@ def test_a_stream_deleted_and_recreated_is_not_served_from_the_old_snapshot(nats
     url = nats_server.url
     _publish(url, "pod-1", 0, 40)
     _saved(url, 40)
-    _on_bucket(url, lambda js: js.delete_stream("KVEVENTS"))  # the snapshot bucket stays
+    on_jetstream(url, lambda js: js.delete_stream("KVEVENTS"))  # the snapshot bucket stays
     _publish(url, "pod-2", 1000, 60)  # a new stream, seqs 1..60 again
     b = _replica(url, "b")
     try:
@@ -93,7 +81,7 @@ def test_damaged_positions_in_the_description_are_not_trusted(nats_server) -> No
             data = (await obs.get("a")).data
             desc = {"stream_seq": 50, "pods": {"kv@pod-1@m": [0, 49 + 183, "kv@pod-1@m"]}}
             await obs.put("a", data, meta=api.ObjectMeta(name="a", description=json.dumps(desc)))
-        _on_bucket(url, damage)
+        on_jetstream(url, damage)
         for i in range(50, 250):
             pub.publish(batch(i, 2))
         assert pub.sender.flush(30) and pub.counts["overflow"] == 0
@@ -122,7 +110,7 @@ def test_a_damaged_body_is_refused_and_the_replica_cold_starts_saying_why(nats_s
         assert b'"stream_seq": 50' in data
         await obs.put("a", data.replace(b'"stream_seq": 50', b'"stream_seq": 20'),
                       meta=api.ObjectMeta(name="a", description=json.dumps({"stream_seq": 50})))
-    _on_bucket(url, damage)
+    on_jetstream(url, damage)
     c = _replica(url, "c")
     try:
         assert c.counters["refused_checksum"] == 1 and c.counters["cold_starts"] == 1

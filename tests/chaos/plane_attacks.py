@@ -31,7 +31,7 @@ from pathlib import Path
 from kvevents import DeliveryKind
 from kvevents.transport.nats.publisher import NatsEventPublisher
 from kvevents.transport.nats.wire import MSG_ID, parse_headers, plane_headers, subject_for
-from tests.plane_helpers import NatsServer, read_all, stream_state, wait_for
+from tests.plane_helpers import NatsServer, on_jetstream, read_all, stream_state, wait_for
 from tests.plane_ledger import LedgerRouter
 from tests.pubsub_helpers import batch
 
@@ -191,18 +191,6 @@ def _publish(pub, start: int, n: int) -> None:
     assert pub.sender.flush(30)
 
 
-def _on_js(url: str, fn):
-    import nats
-
-    async def go():
-        nc = await nats.connect(url)
-        try:
-            return await fn(nc.jetstream())
-        finally:
-            await nc.close()
-    return asyncio.run(go())
-
-
 async def _rewrite(js, name: str, change) -> None:
     from nats.js import api
     obs = await js.object_store("kvrouter-snapshots")
@@ -227,16 +215,16 @@ def snapshot_run(case: str) -> dict:
             a.close()
         if case == SNAPSHOT_CASES[0]:
             pub.shutdown(10)
-            _on_js(url, lambda js: js.delete_stream("KVEVENTS"))
+            on_jetstream(url, lambda js: js.delete_stream("KVEVENTS"))
             pub = NatsEventPublisher(endpoint=url, topic="kv@pod-2@m", pod="pod-2", model="m", window=8192)
         elif case == SNAPSHOT_CASES[1]:
-            _on_js(url, lambda js: _rewrite(js, "a", lambda d: (d, {"stream_seq": 50, "pods": {
+            on_jetstream(url, lambda js: _rewrite(js, "a", lambda d: (d, {"stream_seq": 50, "pods": {
                 "pod-1": [0, 49 + 183, "kv@pod-1@m"]}})))
         elif case == SNAPSHOT_CASES[2]:
-            _on_js(url, lambda js: _rewrite(js, "a", lambda d: (d.replace(b'"stream_seq": 50', b'"stream_seq": 20'),
+            on_jetstream(url, lambda js: _rewrite(js, "a", lambda d: (d.replace(b'"stream_seq": 50', b'"stream_seq": 20'),
                                                                   {"stream_seq": 50})))
         else:
-            _on_js(url, lambda js: _rewrite(js, "a", lambda d: (old, {"stream_seq": 50, "pods": {
+            on_jetstream(url, lambda js: _rewrite(js, "a", lambda d: (old, {"stream_seq": 50, "pods": {
                 "pod-1": [0, 49, "kv@pod-1@m"]}})))
         _publish(pub, 1000, 200)
         pub.shutdown(10)
