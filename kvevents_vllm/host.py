@@ -46,6 +46,11 @@ class HostRegions:
     arrays: list[np.ndarray]
     _map: mmap.mmap | None
 
+    def whole(self) -> np.ndarray:
+        """The whole buffer as bytes (every tensor's region, in order): what is registered
+        with CUDA once, so regions sharing a page are never registered twice."""
+        return np.frombuffer(self._map, dtype=np.uint8) if self._map is not None else np.empty(0, np.uint8)
+
     def remove(self) -> None:
         for p in (self.layout_path, self.path):
             try:

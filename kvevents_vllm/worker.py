@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 class _Pending:
     started: float
     nbytes: int
-    waiting: set[int] = field(default_factory=set)  # tensor indexes still copying
+    waiting: set[int] = field(default_factory=set)  # KV-cache groups still copying
     success: bool = True
 
 
@@ -53,21 +53,28 @@ class KVEventsOffloadingWorker(OffloadingWorker):
         self.num_chunks = int(num_chunks)
         tensors = [t.tensor for t in kv_caches.tensors]
         pages = [int(t.shape[1]) for t in tensors]
-        self.pages = pages
         self.regions: HostRegions = create_regions(engine_id, rank, self.num_chunks, self.k, pages, shared=shared)
-        self.workers: list[TransferWorker] = []
+        #: per group, the tensor indexes its layers use
+        self.group_tensors = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
+        #: per group, the bytes one of its device blocks spans over its tensors
+        self.group_bytes = [sum(pages[t] for t in ts) for ts in self.group_tensors]
+        self.workers: list[TransferWorker | None] = []  # per group (None: a group with no tensor)
+        self._registered: _CudaHostRegistration | None = None
         try:
-            for tensor, host in zip(tensors, self.regions.arrays):
-                if tensor.device.type == "cpu":
-                    device, host_buf = tensor.numpy(), host
+            if any(t.device.type == "cuda" for t in tensors):
+                self._registered = _CudaHostRegistration(self.regions.whole())
+            for ts in self.group_tensors:
+                if not ts:
+                    self.workers.append(None)
+                elif tensors[ts[0]].device.type == "cpu":
+                    self.workers.append(create_transfer_worker(
+                        [tensors[t].numpy() for t in ts], [self.regions.arrays[t] for t in ts]))
                 else:
-                    device, host_buf = tensor, _pinned(host)
-                self.workers.append(create_transfer_worker(device, host_buf))
+                    self.workers.append(create_transfer_worker(
+                        [tensors[t] for t in ts], [self._registered.view(self.regions.arrays[t]) for t in ts]))
         except Exception:
             self.shutdown()
             raise
-        #: per group, the tensor indexes its layers use
-        self.group_tensors = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
         self._pending: dict[int, _Pending] = {}
         self._done: list[VllmTransferResult] = []
         self.jobs_rejected = 0  # jobs whose specs did not fit (submit_* returned False)
@@ -80,31 +87,37 @@ class KVEventsOffloadingWorker(OffloadingWorker):
         return self._submit(job_id, dst_spec, src_spec, store=False)
 
     def get_finished(self) -> list[VllmTransferResult]:
-        for i, w in enumerate(self.workers):
-            for r in w.get_finished():
-                self._finish_part(r.job_id, i, r.success, r.error)
+        for g, w in enumerate(self.workers):
+            if w is not None:
+                for r in w.get_finished():
+                    self._finish_part(r.job_id, g, r.success, r.error)
         out, self._done = self._done, []
         return out
 
     def wait(self, job_ids: set[int]) -> None:
         for w in self.workers:
-            w.wait(job_ids)
+            if w is not None:
+                w.wait(job_ids)
 
     def shutdown(self) -> None:
         for w in self.workers:
-            w.shutdown()
+            if w is not None:
+                w.shutdown()
+        if self._registered is not None:
+            self._registered.release()  # after the workers: no copy is in flight
+            self._registered = None
         self.regions.remove()
 
     # -- the mapping -------------------------------------------------------------------------
-    def rows_per_tensor(self, gpu: GPULoadStoreSpec, host: LoadStoreSpec) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """``{tensor: (device block ids, host rows)}`` for one job (see the module's doc)."""
+    def rows_per_group(self, gpu: GPULoadStoreSpec, host: LoadStoreSpec) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """``{group: (device block ids, host rows)}`` for one job (see the module's doc)."""
         dev_ids = np.asarray(gpu.block_ids, dtype=np.int64)
         chunks = np.asarray(host.block_ids, dtype=np.int64)
         sizes = list(gpu.group_sizes) if gpu.group_sizes is not None else [len(dev_ids)]
         starts = list(gpu.block_indices) if gpu.block_indices is not None else [0] * len(sizes)
         if len(sizes) != len(self.group_tensors):
             raise TransferError(f"job has {len(sizes)} KV groups, the worker {len(self.group_tensors)}")
-        per: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         d_off = c_off = 0
         for g, (n, start) in enumerate(zip(sizes, starts)):
             if n == 0:
@@ -115,47 +128,45 @@ class KVEventsOffloadingWorker(OffloadingWorker):
             dev = dev_ids[d_off:d_off + n]
             if len(rows) != n or len(dev) != n:
                 raise TransferError(f"group {g}: {len(dev)} device blocks for {len(rows)} host rows")
-            for t in self.group_tensors[g]:
-                d, h = per.setdefault(t, ([], []))
-                d.append(dev)
-                h.append(rows)
+            if self.workers[g] is not None:
+                out[g] = (dev, rows)
             d_off += n
             c_off += n_chunks
         if d_off != len(dev_ids) or c_off != len(chunks):
             raise TransferError(f"job covers {d_off}/{len(dev_ids)} device blocks, {c_off}/{len(chunks)} chunks")
-        return {t: (np.concatenate(d), np.concatenate(h)) for t, (d, h) in per.items()}
+        return out
 
     def _submit(self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec, *, store: bool) -> bool:
         try:
-            parts = self.rows_per_tensor(gpu, host)
+            parts = self.rows_per_group(gpu, host)
         except (TransferError, ValueError, TypeError) as exc:
             self.jobs_rejected += 1
             log.error("kvevents_vllm: job %s rejected: %s", job_id, exc)
             return False
-        pending = _Pending(time.perf_counter(), sum(len(d) * self.pages[t] for t, (d, _) in parts.items()))
+        pending = _Pending(time.perf_counter(), sum(len(d) * self.group_bytes[g] for g, (d, _) in parts.items()))
         self._pending[job_id] = pending
         if not parts:
             self._finish(job_id, pending)
             return True
         pending.waiting.update(parts)
-        for t, (dev, rows) in parts.items():
+        for g, (dev, rows) in parts.items():
             try:
                 if store:
-                    self.workers[t].submit_store(job_id, dev, rows)
+                    self.workers[g].submit_store(job_id, dev, rows)
                 else:
-                    self.workers[t].submit_load(job_id, rows, dev)
+                    self.workers[g].submit_load(job_id, rows, dev)
             except TransferError as exc:
-                self._finish_part(job_id, t, False, str(exc))
+                self._finish_part(job_id, g, False, str(exc))
         return True
 
-    def _finish_part(self, job_id: int, tensor: int, success: bool, error: str | None) -> None:
+    def _finish_part(self, job_id: int, group: int, success: bool, error: str | None) -> None:
         pending = self._pending.get(job_id)
         if pending is None:
             return
         if not success:
             pending.success = False
-            log.error("kvevents_vllm: job %s failed on KV tensor %d: %s", job_id, tensor, error)
-        pending.waiting.discard(tensor)
+            log.error("kvevents_vllm: job %s failed on KV-cache group %d: %s", job_id, group, error)
+        pending.waiting.discard(group)
         if not pending.waiting:
             self._finish(job_id, pending)
 
@@ -165,13 +176,34 @@ class KVEventsOffloadingWorker(OffloadingWorker):
                                              transfer_time=time.perf_counter() - pending.started))
 
 
-def _pinned(host: np.ndarray):
-    """A CUDA-visible view of a host region: the shared pages registered with CUDA in place
-    (a copy would not be seen by the scheduler side)."""
-    import torch
+class _CudaHostRegistration:
+    """The shared host buffer registered with CUDA in place (page-locked and addressable from
+    the GPU), so our CUDA workers copy straight into the pages the scheduler side maps; a
+    pinned copy would never be seen there. Registered once as a whole; released at shutdown."""
 
-    t = torch.from_numpy(host)
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(rc) != 0:
-        raise TransferError(f"cudaHostRegister of the shared host buffer failed (error {int(rc)})")
-    return t
+    def __init__(self, whole: np.ndarray) -> None:
+        import torch
+
+        self._cudart = torch.cuda.cudart()
+        self._base = torch.from_numpy(whole)
+        self.ptr = self._base.data_ptr() if whole.size else 0
+        if self.ptr:
+            rc = int(self._cudart.cudaHostRegister(self.ptr, whole.size, 0))
+            if rc != 0:
+                raise TransferError(f"cudaHostRegister of the {whole.size}-byte shared host buffer failed (CUDA error {rc})")
+
+    def view(self, region: np.ndarray):
+        """A torch view of one region of the registered buffer (torch sees it as pinned)."""
+        import torch
+
+        t = torch.from_numpy(region)
+        if t.numel() and not t.is_pinned():
+            raise TransferError("the registered host buffer is not seen as pinned by torch")
+        return t
+
+    def release(self) -> None:
+        if self.ptr:
+            rc = int(self._cudart.cudaHostUnregister(self.ptr))
+            self.ptr = 0
+            if rc != 0:
+                log.error("kvevents_vllm: cudaHostUnregister of the shared host buffer failed (CUDA error %d)", rc)

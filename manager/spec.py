@@ -29,7 +29,7 @@ from kvevents.errors import ConfigError
 from kvevents.registry import LazyRegistry
 
 from .base import BlockIO, NumpyBlockIO, OffloadingManager
-from .transfer_base import NumpyTransferWorker, TransferWorker
+from .transfer_base import NumpyTransferWorker, TransferWorker, as_layers
 
 __all__ = ["SPECS", "ManagerSpec", "OffloadingHandlers", "OffloadingSpec", "create_spec", "create_transfer_worker",
            "register_spec"]
@@ -45,10 +45,12 @@ class OffloadingHandlers:
     host_blocks: int
 
 
-def create_transfer_worker(device_cache: Any, host_rows: int) -> TransferWorker:
-    """A numpy worker for a numpy array (torch is not imported), else the torch worker
-    (:func:`manager.transfer.create_transfer_worker`)."""
-    if isinstance(device_cache, np.ndarray):
+def create_transfer_worker(device_cache: Any, host_rows: Any) -> TransferWorker:
+    """A numpy worker for a numpy array or list of them (torch is not imported), else the
+    torch worker (:func:`manager.transfer.create_transfer_worker`). ``host_rows``: a number
+    of host rows, or host arrays (one per layer)."""
+    layers = as_layers(device_cache)
+    if layers and isinstance(layers[0], np.ndarray):
         return NumpyTransferWorker(device_cache, host_rows)
     from .transfer import create_transfer_worker as torch_worker  # needs torch
 

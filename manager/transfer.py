@@ -3,9 +3,12 @@
 ``TorchTransferWorker(device_cache, host_blocks)``:
 
 * ``device_cache`` is a tensor ``[num_blocks, ...]`` (one row per device block, whatever the
-  rest of the layout);
+  rest of the layout), or a list of such *layers* with the same number of blocks (vLLM hands
+  a worker one tensor per layer): a job copies its block ids in every layer, as one job
+  (one id transfer and one event on CUDA, however many layers);
 * ``host_blocks`` is either a number of host rows to allocate or a ready host tensor of the
-  same block shape and dtype. The host buffer is pinned when the device is CUDA.
+  same block shape and dtype (one per layer). The host buffer is pinned when the device is
+  CUDA.
 
 On CUDA each direction has its own stream: a store first waits for the work already queued
 on the current stream (so it copies what the model wrote); an event recorded after the job
@@ -56,6 +59,8 @@ from .transfer_base import (
     WorkerClosedError,
     _Job,
     check_host_layout,
+    as_layers,
+    layer_pairs,
     contiguous_runs,
     copy_runs,
     run_count,
@@ -104,22 +109,43 @@ def _check_device_cache(device_cache: Any) -> None:
         raise ShapeMismatchError("device_cache must be contiguous")
 
 
-class _CpuTorchWorker(ThreadedTransferWorker):
-    def __init__(self, device_cache: "torch.Tensor", host: "torch.Tensor") -> None:
-        self.device_cache = device_cache
-        self.host_cache = host
-        super().__init__(device_cache.shape[0], host.shape[0], name="kv-transfer-torch")
-        self._dev_bytes = device_cache.view(device_cache.shape[0], -1).view(torch.uint8).numpy()
-        self._host_bytes = host.view(host.shape[0], -1).view(torch.uint8).numpy()
-        self.bytes_per_block = device_cache[0].numel() * device_cache.element_size() if device_cache.shape[0] else 0
+def _bytes_per_block(layers: list[tuple["torch.Tensor", "torch.Tensor"]]) -> int:
+    return sum(d[0].numel() * d.element_size() for d, _ in layers) if layers[0][0].shape[0] else 0
+
+
+class _TorchLayers:
+    """The layers of a torch worker: ``device_cache`` / ``host_cache`` name the first."""
+
+    layers: list[tuple["torch.Tensor", "torch.Tensor"]]
+
+    @property
+    def device_cache(self) -> "torch.Tensor":
+        return self.layers[0][0]
+
+    @property
+    def host_cache(self) -> "torch.Tensor":
+        return self.layers[0][1]
+
+
+def _byte_rows(t: "torch.Tensor") -> np.ndarray:
+    return t.view(t.shape[0], -1).view(torch.uint8).numpy()
+
+
+class _CpuTorchWorker(_TorchLayers, ThreadedTransferWorker):
+    def __init__(self, layers: list[tuple["torch.Tensor", "torch.Tensor"]]) -> None:
+        self.layers = layers
+        super().__init__(layers[0][0].shape[0], layers[0][1].shape[0], name="kv-transfer-torch")
+        self._bytes = [(_byte_rows(d), _byte_rows(h)) for d, h in layers]
+        self.bytes_per_block = _bytes_per_block(layers)
 
     def _copy(self, job: _Job) -> None:
         # byte views of both buffers: one memcpy per contiguous run of ids (index_select +
         # index_copy_ measured 5-10x slower on CPU, float16 worst)
-        if job.direction == STORE:
-            copy_runs(self._host_bytes, self._dev_bytes, job.src, job.dst)
-        else:
-            copy_runs(self._dev_bytes, self._host_bytes, job.src, job.dst)
+        for dev, host in self._bytes:
+            if job.direction == STORE:
+                copy_runs(host, dev, job.src, job.dst)
+            else:
+                copy_runs(dev, host, job.src, job.dst)
 
 
 COPY_MODES = ("auto", "kernel", "dma")
@@ -178,20 +204,20 @@ def host_rows_on_device(host_rows: "torch.Tensor", device: "torch.device") -> "t
     return view
 
 
-class _CudaTorchWorker(TransferWorker):
-    def __init__(self, device_cache: "torch.Tensor", host: "torch.Tensor", *, copy_mode: str = "auto",
+class _CudaTorchWorker(_TorchLayers, TransferWorker):
+    def __init__(self, layers: list[tuple["torch.Tensor", "torch.Tensor"]], *, copy_mode: str = "auto",
                  dma_min_run_bytes: int = 4 << 20) -> None:
-        super().__init__(device_cache.shape[0], host.shape[0])
-        self.device_cache = device_cache
-        self.host_cache = host
-        self.bytes_per_block = device_cache[0].numel() * device_cache.element_size() if device_cache.shape[0] else 0
-        dev = device_cache.device
+        super().__init__(layers[0][0].shape[0], layers[0][1].shape[0])
+        self.layers = layers
+        self.bytes_per_block = _bytes_per_block(layers)
+        dev = layers[0][0].device
+        self._device = dev
         self._streams = {LOAD: torch.cuda.Stream(device=dev), STORE: torch.cuda.Stream(device=dev)}
         self._inflight: dict[int, tuple[Any, _Job]] = {}
         self._results: list[TransferResult] = []
-        self._dev_rows = block_rows(device_cache)
-        self._host_rows = block_rows(host)
-        self._host_on_dev = host_rows_on_device(self._host_rows, dev)
+        self._dev_rows = [block_rows(d) for d, _ in layers]
+        host_on_dev = [host_rows_on_device(block_rows(h), dev) for _, h in layers]
+        self._host_on_dev = None if any(v is None for v in host_on_dev) else host_on_dev
         if copy_mode == "kernel" and self._host_on_dev is None:
             raise TransferError(
                 "copy_mode='kernel' needs the pinned host buffer to be addressable from the GPU "
@@ -216,7 +242,8 @@ class _CudaTorchWorker(TransferWorker):
             return False
         if self.copy_mode == "kernel":
             return True
-        return len(job.src) * self.bytes_per_block < self.dma_min_run_bytes * runs
+        # the copy engines take one copy per run per layer: their mean size decides
+        return len(job.src) * self.bytes_per_block < self.dma_min_run_bytes * runs * len(self.layers)
 
     def _enqueue(self, job: _Job) -> None:
         if job.job_id in self._inflight:
@@ -224,28 +251,30 @@ class _CudaTorchWorker(TransferWorker):
         self.jobs_submitted += 1
         stream = self._streams[job.direction]
         try:
-            if job.direction == STORE:
+            store = job.direction == STORE
+            if store:
                 # copy what the model wrote: order after the work already on the current stream
-                stream.wait_stream(torch.cuda.current_stream(self.device_cache.device))
-                src, dst = self.device_cache, self.host_cache
-            else:
-                src, dst = self.host_cache, self.device_cache
+                stream.wait_stream(torch.cuda.current_stream(self._device))
             with torch.cuda.stream(stream):
                 if self._use_kernel(job):
-                    if job.direction == STORE:
-                        src_rows, dst_rows = self._dev_rows, self._host_on_dev
-                    else:
-                        src_rows, dst_rows = self._host_on_dev, self._dev_rows
-                    # the ids travel with the job: pinned, copied on this stream (torch's host
-                    # allocator keeps the pinned block until the copy has run)
+                    # the ids travel with the job, once for every layer: pinned, copied on this
+                    # stream (torch's host allocator keeps the pinned block until the copy ran)
                     n = len(job.src)
                     ids = torch.from_numpy(np.concatenate((job.src, job.dst))).pin_memory()
-                    ids = ids.to(self.device_cache.device, non_blocking=True)
-                    gather_copy(dst_rows, src_rows, ids[:n], ids[n:])
+                    ids = ids.to(self._device, non_blocking=True)
+                    for dev_rows, host_rows in zip(self._dev_rows, self._host_on_dev):
+                        if store:
+                            gather_copy(host_rows, dev_rows, ids[:n], ids[n:])
+                        else:
+                            gather_copy(dev_rows, host_rows, ids[:n], ids[n:])
                     self.kernel_jobs += 1
                 else:
                     for s, d, n in contiguous_runs(job.src, job.dst):
-                        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+                        for dev, host in self.layers:
+                            if store:
+                                host[d : d + n].copy_(dev[s : s + n], non_blocking=True)
+                            else:
+                                dev[d : d + n].copy_(host[s : s + n], non_blocking=True)
                     self.dma_jobs += 1
                 event = torch.cuda.Event()
                 event.record(stream)
@@ -302,17 +331,23 @@ def TorchTransferWorker(device_cache: "torch.Tensor", host_blocks: "int | torch.
         raise ValueError(f"copy_mode must be one of {', '.join(COPY_MODES)}; got {copy_mode!r}")
     if isinstance(dma_min_run_bytes, bool) or not isinstance(dma_min_run_bytes, int) or dma_min_run_bytes < 0:
         raise ValueError(f"dma_min_run_bytes must be an int >= 0, got {dma_min_run_bytes!r}")
-    _check_device_cache(device_cache)
-    host = _make_host_buffer(device_cache, host_blocks)
-    if device_cache.device.type == "cuda":
-        return _CudaTorchWorker(device_cache, host, copy_mode=copy_mode, dma_min_run_bytes=dma_min_run_bytes)
-    if device_cache.device.type != "cpu":
-        raise TransferError(f"unsupported device {device_cache.device} (cuda or cpu)")
-    return _CpuTorchWorker(device_cache, host)
+    for d in as_layers(device_cache):
+        _check_device_cache(d)
+    layers = layer_pairs(device_cache, host_blocks, _make_host_buffer)
+    devices = {d.device for d, _ in layers}
+    if len(devices) != 1:
+        raise ShapeMismatchError(f"layers on different devices: {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type == "cuda":
+        return _CudaTorchWorker(layers, copy_mode=copy_mode, dma_min_run_bytes=dma_min_run_bytes)
+    if device.type != "cpu":
+        raise TransferError(f"unsupported device {device} (cuda or cpu)")
+    return _CpuTorchWorker(layers)
 
 
 def create_transfer_worker(device_cache: Any, host_blocks: Any) -> TransferWorker:
-    """A torch worker for a tensor, a numpy worker for a numpy array."""
-    if isinstance(device_cache, np.ndarray):
+    """A torch worker for a tensor, a numpy worker for a numpy array (or a list of either)."""
+    layers = as_layers(device_cache)
+    if layers and isinstance(layers[0], np.ndarray):
         return NumpyTransferWorker(device_cache, host_blocks)
     return TorchTransferWorker(device_cache, host_blocks)

@@ -347,26 +347,72 @@ class ThreadedTransferWorker(TransferWorker):
 
 
 class NumpyTransferWorker(ThreadedTransferWorker):
-    """Copies between two numpy arrays ``[num_blocks, ...]``; needs no torch."""
+    """Copies between numpy arrays ``[num_blocks, ...]``; needs no torch.
 
-    def __init__(self, device_cache: np.ndarray, host_cache: np.ndarray | int) -> None:
-        if not isinstance(device_cache, np.ndarray) or device_cache.ndim < 1:
-            raise ShapeMismatchError("device_cache must be a numpy array shaped [num_blocks, ...]")
-        if isinstance(host_cache, (int, np.integer)):
-            if host_cache < 1:
-                raise ValueError(f"number of host blocks must be >= 1, got {host_cache}")
-            host_cache = np.zeros((int(host_cache), *device_cache.shape[1:]), dtype=device_cache.dtype)
-        check_host_layout(device_cache.shape, device_cache.dtype, host_cache.shape, host_cache.dtype)
-        self.device_cache = device_cache
-        self.host_cache = host_cache
-        super().__init__(device_cache.shape[0], host_cache.shape[0], name="kv-transfer-numpy")
-        self.bytes_per_block = int(device_cache[0].nbytes) if device_cache.shape[0] else 0
+    ``device_cache`` is one array or a list of *layers* (arrays with the same number of
+    blocks, e.g. one per model layer): a job copies its block ids in every layer. The host
+    side is a number of host blocks to allocate, or one array per layer."""
+
+    def __init__(self, device_cache: Any, host_cache: Any) -> None:
+        def make_host(dev: Any, host: Any) -> np.ndarray:
+            return np.zeros((host, *dev.shape[1:]), dtype=dev.dtype) if isinstance(host, int) else host
+
+        for d in as_layers(device_cache):
+            if not isinstance(d, np.ndarray) or d.ndim < 1:
+                raise ShapeMismatchError("device_cache must be a numpy array shaped [num_blocks, ...] (or a list of them)")
+        self.layers = layer_pairs(device_cache, host_cache, make_host)
+        super().__init__(self.layers[0][0].shape[0], self.layers[0][1].shape[0], name="kv-transfer-numpy")
+        self.bytes_per_block = sum(int(d[0].nbytes) for d, _ in self.layers) if self.num_device_blocks else 0
+
+    @property
+    def device_cache(self) -> np.ndarray:
+        """The (first) layer's device array."""
+        return self.layers[0][0]
+
+    @property
+    def host_cache(self) -> np.ndarray:
+        """The (first) layer's host array."""
+        return self.layers[0][1]
 
     def _copy(self, job: _Job) -> None:
-        if job.direction == STORE:
-            copy_runs(self.host_cache, self.device_cache, job.src, job.dst)
-        else:
-            copy_runs(self.device_cache, self.host_cache, job.src, job.dst)
+        for dev, host in self.layers:
+            if job.direction == STORE:
+                copy_runs(host, dev, job.src, job.dst)
+            else:
+                copy_runs(dev, host, job.src, job.dst)
+
+
+def as_layers(device_cache: Any) -> list[Any]:
+    """A device cache given as one array/tensor or a list of layers, as a list."""
+    return list(device_cache) if isinstance(device_cache, (list, tuple)) else [device_cache]
+
+
+def layer_pairs(device_cache: Any, host_cache: Any, make_host: Any) -> list[tuple[Any, Any]]:
+    """``[(device layer, host layer), ...]``: ``host_cache`` is a number of host blocks or one
+    host array per layer, each passed through ``make_host(device layer, int or array)`` (which
+    allocates, or checks/pins a given one); every layer has the same number of device blocks
+    and of host blocks, and each host layer the block shape and dtype of its device layer."""
+    devs = as_layers(device_cache)
+    if not devs:
+        raise ShapeMismatchError("device_cache is an empty list of layers")
+    if len({d.shape[0] for d in devs}) != 1:
+        raise ShapeMismatchError(f"layers with different numbers of device blocks: {sorted({d.shape[0] for d in devs})}")
+    if isinstance(host_cache, (bool, np.bool_)):
+        raise ValueError(f"host blocks must be a positive int or host arrays, got {host_cache!r}")
+    if isinstance(host_cache, (int, np.integer)):
+        if host_cache < 1:
+            raise ValueError(f"number of host blocks must be >= 1, got {host_cache}")
+        hosts = [make_host(d, int(host_cache)) for d in devs]
+    else:
+        given = as_layers(host_cache)
+        if len(given) != len(devs):
+            raise ShapeMismatchError(f"{len(given)} host layers for {len(devs)} device layers")
+        hosts = [make_host(d, h) for d, h in zip(devs, given)]
+    for d, h in zip(devs, hosts):
+        check_host_layout(d.shape, d.dtype, h.shape, h.dtype)
+    if len({h.shape[0] for h in hosts}) != 1:
+        raise ShapeMismatchError(f"host layers with different numbers of blocks: {sorted({h.shape[0] for h in hosts})}")
+    return list(zip(devs, hosts))
 
 
 def check_host_layout(dev_shape: Sequence[int], dev_dtype: Any, host_shape: Sequence[int], host_dtype: Any) -> None:

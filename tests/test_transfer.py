@@ -355,3 +355,58 @@ def test_cuda_copy_modes_round_trip_scattered_and_contiguous_jobs(mode, dtype):
         assert w.copy_mode == mode
     finally:
         w.shutdown()
+
+
+LAYER_CASES = ["numpy", "cpu", pytest.param("cuda-kernel", marks=DEVICES[1].marks),
+               pytest.param("cuda-dma", marks=DEVICES[1].marks)]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_a_job_copies_its_block_ids_in_every_layer(case):
+    """A KV cache given as layers (one tensor per layer, widths differ, as vLLM hands them):
+    one job moves the same ids in each layer, and only those rows."""
+    n_dev, n_host, widths = 24, 16, (8, 24, 40)
+    rng = np.random.default_rng(3)
+    if case == "numpy":
+        layers = [rng.integers(-100, 100, (n_dev, w), dtype=np.int16) for w in widths]
+        originals = [a.copy() for a in layers]
+        w = NumpyTransferWorker(layers, n_host)
+        hosts = [h for _, h in w.layers]
+        equal = np.array_equal
+    else:
+        device = "cpu" if case == "cpu" else "cuda"
+        layers = [torch.randint(-100, 100, (n_dev, wd), dtype=torch.int16).to(device) for wd in widths]
+        originals = [t.clone() for t in layers]
+        w = TorchTransferWorker(layers, n_host, copy_mode="auto" if case == "cpu" else case.split("-")[1])
+        hosts = [h for _, h in w.layers]
+        equal = torch.equal
+    try:
+        assert w.bytes_per_block == sum(widths) * 2
+        d_ids, h_ids = [5, 0, 17, 9], [3, 11, 4, 0]
+        w.submit_store(1, d_ids, h_ids)
+        assert w.wait(timeout=30) and all(r.success for r in w.get_finished())
+        for host, orig in zip(hosts, originals):
+            for d, h in zip(d_ids, h_ids):
+                assert equal(host[h], orig[d].cpu() if case.startswith("cuda") else orig[d])
+        for t in layers:
+            t[:] = 0
+        w.submit_load(2, h_ids, [1, 2, 3, 20])
+        assert w.wait(timeout=30) and all(r.success for r in w.get_finished())
+        for t, orig in zip(layers, originals):
+            for d_new, d_old in zip([1, 2, 3, 20], d_ids):
+                assert equal(t[d_new], orig[d_old])
+            untouched = sorted(set(range(n_dev)) - {1, 2, 3, 20})
+            assert int(abs(t[untouched]).sum()) == 0
+    finally:
+        w.shutdown()
+
+
+def test_layers_that_do_not_fit_together_are_refused_by_name():
+    with pytest.raises(ShapeMismatchError, match="different numbers of device blocks"):
+        TorchTransferWorker([torch.zeros(4, 2), torch.zeros(5, 2)], 4)
+    with pytest.raises(ShapeMismatchError, match="2 host layers for 3 device layers"):
+        NumpyTransferWorker([np.zeros((4, 2))] * 3, [np.zeros((4, 2))] * 2)
+    with pytest.raises(ShapeMismatchError, match="host layers with different numbers of blocks"):
+        TorchTransferWorker([torch.zeros(4, 2), torch.zeros(4, 3)], [torch.zeros(4, 2), torch.zeros(6, 3)])
+    with pytest.raises(ShapeMismatchError, match="empty list of layers"):
+        NumpyTransferWorker([], 4)

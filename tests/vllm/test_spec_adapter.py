@@ -118,8 +118,8 @@ def test_manager_speaks_vllms_types():
     m.shutdown()
 
 
-def _canonical(num_blocks: int, groups: int):
-    tensors = [torch.zeros((num_blocks, PAGE), dtype=torch.int8) for _ in range(2)]
+def _canonical(num_blocks: int, groups: int, device: str = "cpu"):
+    tensors = [torch.zeros((num_blocks, PAGE), dtype=torch.int8, device=device) for _ in range(2)]
     refs = [[vbase.CanonicalKVCacheRef(tensor_idx=t, page_size_bytes=PAGE) for t in range(2)] for _ in range(groups)]
     return tensors, vbase.CanonicalKVCaches([vbase.CanonicalKVCacheTensor(t, PAGE) for t in tensors], refs)
 
@@ -132,10 +132,15 @@ def _finish(worker, job_id):
     return done[0]
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
-def test_worker_round_trip_and_the_manager_sees_the_same_bytes(blocks_per_chunk):
+def test_worker_round_trip_and_the_manager_sees_the_same_bytes(blocks_per_chunk, device):
     """Device blocks -> our CPU tier -> other device blocks, through vLLM's specs, and the
-    scheduler side's host view (what secondary tiers read) holds exactly those bytes."""
+    scheduler side's host view (what secondary tiers read) holds exactly those bytes. On CUDA
+    the shared host buffer is registered in place: a pinned copy would fail the host view."""
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
     from kvevents_vllm.host import open_block_io
@@ -145,7 +150,7 @@ def test_worker_round_trip_and_the_manager_sees_the_same_bytes(blocks_per_chunk)
     cfg = offloading_config({"kvevents": {"cpu_blocks": 4, "secondary_tiers": [{"type": "example"}]}},
                             blocks_per_chunk=k)
     worker_side, sched_side = KVEventsOffloadingSpec(cfg), KVEventsOffloadingSpec(cfg)
-    tensors, caches = _canonical(16, 1)
+    tensors, caches = _canonical(16, 1, device)
     for t in tensors:
         t.copy_(torch.randint(-128, 127, t.shape, dtype=torch.int8))
     w = worker_side.get_worker(caches)
@@ -167,7 +172,7 @@ def test_worker_round_trip_and_the_manager_sees_the_same_bytes(blocks_per_chunk)
                 c, j = divmod(row, k)
                 got = np.frombuffer(io.read_block(c), dtype=np.int8)
                 off = t_idx * k * PAGE + j * PAGE
-                assert (got[off:off + PAGE] == t[d].numpy()).all()
+                assert (got[off:off + PAGE] == t[d].cpu().numpy()).all()
         back = vbase.GPULoadStoreSpec([10, 11, 12], group_sizes=[3], block_indices=[1])
         assert w.submit_load(2, CPULoadStoreSpec(chunks), back)
         assert _finish(w, 2).success
