@@ -12,14 +12,15 @@ The KV cache is what vLLM hands a worker (``CanonicalKVCaches``): ``--tensors`` 
   ``submit_load`` with vLLM's ``GPULoadStoreSpec`` and ``CPULoadStoreSpec``, then ``wait`` and
   ``get_finished`` (what vLLM's connector does each step); the host buffer is the shared one
   (a secondary tier is configured, so it is the ``/dev/shm`` file, registered with CUDA in place);
-- *our workers directly*: one ``manager.transfer`` worker per tensor on a private (pinned on
-  CUDA) host buffer, the same ids;
+- *our worker directly*: one ``manager.transfer`` worker over the tensors as layers (what the
+  spec's worker runs per KV-cache group) on a private (pinned on CUDA) host buffer, the same
+  ids, our types;
 - *plain copy*: one contiguous ``copy_`` of the same total bytes per tensor between the device
   and pinned host memory (``non_blocking`` + synchronize on CUDA): the link's rate as torch
   reaches it.
 
 Submit every job, then wait for all; best of ``--repeat``. Target: the vLLM API path within 10%
-of our workers directly, and both >= 80% of the plain copy on a GPU. vLLM's own
+of our worker directly, and both >= 80% of the plain copy on a GPU. vLLM's own
 ``CPUOffloadingSpec`` is not in the table: its handler needs vLLM's compiled CUDA ops, so it
 runs only in a full CUDA build of vLLM (and not on vLLM's CPU backend at all).
 """
@@ -78,7 +79,7 @@ def main() -> None:
     caches = vbase.CanonicalKVCaches([vbase.CanonicalKVCacheTensor(t, page) for t in tensors], refs)
     spec = KVEventsOffloadingSpec(_config(args, page))
     vworker = spec.get_worker(caches)
-    direct = [create_transfer_worker(t if device == "cuda" else t.numpy(), args.blocks) for t in tensors]
+    direct = create_transfer_worker(tensors if device == "cuda" else [t.numpy() for t in tensors], args.blocks)
     rng = np.random.default_rng(0)
     n_jobs = args.blocks // args.job_blocks
     dev_ids = rng.permutation(args.blocks)[:n_jobs * args.job_blocks].reshape(n_jobs, args.job_blocks)
@@ -113,12 +114,10 @@ def main() -> None:
         t0 = time.perf_counter()
         for d, h in zip(dev_ids, host_ids):
             job[0] += 1
-            for w in direct:
-                w.submit_store(job[0], d, h) if store else w.submit_load(job[0], h, d)
-        for w in direct:
-            assert w.wait(timeout=120), "transfer jobs did not finish"
+            direct.submit_store(job[0], d, h) if store else direct.submit_load(job[0], h, d)
+        assert direct.wait(timeout=120), "transfer jobs did not finish"
         dt = time.perf_counter() - t0
-        assert all(r.success for w in direct for r in w.get_finished()), "a job failed"
+        assert all(r.success for r in direct.get_finished()), "a job failed"
         return total / dt
 
     plain_host = [torch.empty((n_jobs * args.job_blocks, page), dtype=torch.int8, pin_memory=pin) for _ in tensors]
@@ -141,14 +140,13 @@ def main() -> None:
             rows.append([label, v / 1e9, o / 1e9, p / 1e9, f"{v / o:.0%}", f"{v / p:.0%}"])
     finally:
         vworker.shutdown()
-        for w in direct:
-            w.shutdown()
+        direct.shutdown()
     name = torch.cuda.get_device_name() if pin else "CPU"
     print(f"# {n_jobs} jobs x {args.job_blocks} blocks x {args.tensors} tensors x {args.page_kib} KiB "
           f"({total / 2**20:.0f} MiB per direction), random ids, device {name}, torch {torch.__version__}, "
           f"best of {args.repeat}")
     print_table("our spec's worker through vLLM's API", [
-        "direction", "via vLLM API GB/s", "our workers GB/s", "plain copy_ GB/s", "API / ours (>= 90%)",
+        "direction", "via vLLM API GB/s", "our worker GB/s", "plain copy_ GB/s", "API / ours (>= 90%)",
         "API / plain"], rows)
 
 
