@@ -27,7 +27,7 @@ import msgspec.inspect as mi
 
 from .errors import ConfigError
 
-__all__ = ["KeyCheck", "decode", "dotted", "subscripted"]
+__all__ = ["MAPPING_WORDS", "TABLE_WORDS", "UNKNOWN", "KeyCheck", "decode", "describe", "dotted", "subscripted"]
 
 T = TypeVar("T")
 
@@ -68,12 +68,17 @@ TABLE_WORDS = {"object": "a table", "array": "an array"}
 MAPPING_WORDS = {"object": "a mapping", "array": "a list"}
 
 
-def decode(data: Any, typ: type[T], *, name: Namer = dotted, words: dict[str, str] = TABLE_WORDS) -> T:
+#: an unknown key's line: ``path`` names the key, ``where`` its table, ``key`` is the key itself
+UNKNOWN = "{path}: unknown key (known: {known})"
+
+
+def decode(data: Any, typ: type[T], *, name: Namer = dotted, words: dict[str, str] = TABLE_WORDS,
+           unknown: str = UNKNOWN) -> T:
     """``data`` (parsed TOML/YAML/JSON) as a ``typ``; ConfigError in one line naming the key."""
     try:
         return msgspec.convert(data, typ)
     except msgspec.ValidationError as exc:
-        raise ConfigError(describe(exc, data, typ, name, words)) from None
+        raise ConfigError(describe(exc, data, typ, name, words, unknown)) from None
 
 
 _AT = re.compile(r"^(.*?)(?: - at `\$([^`]*)`)?$", re.S)
@@ -85,7 +90,7 @@ _EXPECTED = re.compile(r"^Expected `([^`]*)`(.*?)(?:, got `([^`]*)`)?$", re.S)
 
 
 def describe(exc: msgspec.ValidationError, data: Any, typ: type, name: Namer = dotted,
-             words: dict[str, str] = TABLE_WORDS) -> str:
+             words: dict[str, str] = TABLE_WORDS, unknown: str = UNKNOWN) -> str:
     """msgspec's refusal of ``data`` as one line: the key (from msgspec's path), what it must
     be, and the value found there."""
     msg, at = _AT.match(str(exc)).groups()  # type: ignore[union-attr]
@@ -97,7 +102,7 @@ def describe(exc: msgspec.ValidationError, data: Any, typ: type, name: Namer = d
     if m := _UNKNOWN.match(msg):
         node = _type_at(mi.type_info(typ), parts)
         known = sorted(f.name for f in node.fields) if isinstance(node, mi.StructType) else []
-        return f"{name([*parts, m.group(1)])}: unknown key (known: {', '.join(known)})"
+        return unknown.format(path=name([*parts, m.group(1)]), where=where, key=m.group(1), known=", ".join(known))
     if m := _MISSING.match(msg):
         return f"{name([*parts, m.group(1)])} is required"
     found, value = _value_at(data, parts)
