@@ -78,7 +78,7 @@ def decode(data: Any, typ: type[T], *, name: Namer = dotted, words: dict[str, st
     try:
         return msgspec.convert(data, typ)
     except msgspec.ValidationError as exc:
-        raise ConfigError(describe(exc, data, typ, name, words, unknown)) from None
+        raise ConfigError(describe(exc, data, typ, name, words, unknown).replace("\n", "\\n")) from None
 
 
 _AT = re.compile(r"^(.*?)(?: - at `\$([^`]*)`)?$", re.S)
@@ -118,13 +118,16 @@ def describe(exc: msgspec.ValidationError, data: Any, typ: type, name: Namer = d
     return f"{where}: {msg}"
 
 
+_END = object()
+
+
 def _type_at(t: mi.Type | None, parts: Sequence[Part]) -> mi.Type | None:
     """The type at ``parts`` inside ``t`` (unions: their table, list, mapping or literal member)."""
-    for p in [*parts, "<end>"]:
+    for p in [*parts, _END]:
         if isinstance(t, mi.UnionType):
             t = next((u for u in t.types if isinstance(u, (mi.StructType, mi.ListType, mi.DictType, mi.LiteralType))),
                      None)
-        if p == "<end>":
+        if p is _END:
             return t
         if isinstance(t, mi.StructType) and isinstance(p, str):
             t = next((f.type for f in t.fields if f.name == p), None)

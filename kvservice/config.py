@@ -232,7 +232,8 @@ class ServiceConfig(Struct, forbid_unknown_fields=True, kw_only=True):
         if self.subscriber.event_plane is not None:
             if bind is not None:
                 raise ConfigError("subscriber.event_plane and subscriber.bind are alternatives: give one")
-            bind = self.subscriber.event_plane  # pods are learned from the plane's kv@<pod>@<model> topics, as in bind mode
+            # pods are learned from the plane's kv@<pod>@<model> topics, as in bind mode
+            bind = self.subscriber.event_plane
         elif bind is not None:
             _endpoint(bind, "subscriber.bind")
         elif not self.pods:

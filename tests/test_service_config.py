@@ -48,6 +48,7 @@ def test_an_unknown_key_at_the_top_and_in_a_list_of_tables_is_named_with_its_pat
     line = _load(tmp_path, POD + POD.replace('"a"', '"b"') + POD.replace('"a"', '"c"') + "dp = 2\n")
     assert line == f"pods[2].dp: unknown key (known: {_known('pods')})"
     assert _load(tmp_path, POD + '[[pods]]\nendpoint = "tcp://127.0.0.1:1"\n') == "pods[1].name is required"
+    assert _load(tmp_path, '[api]\n"po\\nrt" = 1\n' + POD).startswith("api.po\\nrt: unknown key")  # still one line
 
 
 @pytest.mark.parametrize("text, line", [
