@@ -12,23 +12,25 @@ import logging
 import signal
 import sys
 
+import msgspec
+
 from kvevents.errors import ConfigError, KVEventsError
 
-from .config import PodConfig, ServiceConfig, from_dict, load_config
+from .config import ServiceConfig, from_dict, load_config
 
 __all__ = ["build_config", "main", "new_event_loop", "register", "run_service"]
 
 log = logging.getLogger("kvservice")
 
 
-def _pod_flag(text: str) -> PodConfig:
-    """``NAME=ENDPOINT[,replay=EP][,model=M][,http=URL][,dp=N][,topic=T]``."""
+def _pod_flag(text: str) -> dict:
+    """``NAME=ENDPOINT[,replay=EP][,model=M][,http=URL][,dp=N][,topic=T]``: a ``[[pods]]`` table."""
     head, *opts = text.split(",")
     name, sep, endpoint = head.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"--pod wants NAME=ENDPOINT[,replay=EP,model=M,http=URL,dp=N,topic=T], "
                                          f"got {text!r}")
-    pod = PodConfig(name, endpoint or None)
+    pod: dict = {"name": name, "endpoint": endpoint or None}
     keys = {"replay": "replay_endpoint", "model": "model", "http": "http", "dp": "data_parallel_size",
             "topic": "topic"}
     for o in opts:
@@ -38,9 +40,9 @@ def _pod_flag(text: str) -> PodConfig:
         if k == "dp":
             if not v.isdigit() or int(v) < 1:
                 raise argparse.ArgumentTypeError(f"--pod {name}: dp must be a positive integer, got {v!r}")
-            setattr(pod, keys[k], int(v))
+            pod[keys[k]] = int(v)
         else:
-            setattr(pod, keys[k], v)
+            pod[keys[k]] = v
     return pod
 
 
@@ -79,32 +81,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_config(args: argparse.Namespace) -> ServiceConfig:
-    cfg = load_config(args.config) if args.config else from_dict({})
-    by_name = {p.name: i for i, p in enumerate(cfg.pods)}
+    """The config file (checked alone first, so that its errors name the file), the flags laid
+    over its tables, then the whole decoded again: a flag's value meets the same rules as the
+    file's."""
+    data = msgspec.to_builtins(load_config(args.config)) if args.config else {}
+    sections = {k: data.setdefault(k, {}) for k in ("router", "api", "subscriber")}
+    pods = data.setdefault("pods", [])
+    by_name = {p["name"]: i for i, p in enumerate(pods)}
     for pod in args.pod:
-        if pod.name in by_name:
-            cfg.pods[by_name[pod.name]] = pod
+        if pod["name"] in by_name:
+            pods[by_name[pod["name"]]] = pod
         else:
-            cfg.pods.append(pod)
-    if args.model is not None:
-        cfg.router["model"] = args.model
-    if args.block_size is not None:
-        cfg.router["block_size"] = args.block_size
-    for k in ("host", "port", "api_token_file", "proxy", "tokenizer"):
-        if getattr(args, k) is not None:
-            setattr(cfg.api, k, getattr(args, k))
-    if args.bind is not None:
-        cfg.subscriber.bind = args.bind
+            pods.append(pod)
+    flags = {"router": {"model": args.model, "block_size": args.block_size},
+             "api": {k: getattr(args, k) for k in ("host", "port", "api_token_file", "proxy", "tokenizer")},
+             "subscriber": {"bind": args.bind, "stale_after": args.stale_after, "replay_timeout": args.replay_timeout,
+                            "late_join": False if args.no_late_join else None}}
     if getattr(args, "event_plane", None) is not None:
-        cfg.subscriber.event_plane = args.event_plane
-        cfg.subscriber.replica_name = args.replica_name
-    if args.no_late_join:
-        cfg.subscriber.late_join = False
-    if args.stale_after is not None:
-        cfg.subscriber.stale_after = args.stale_after
-    if args.replay_timeout is not None:
-        cfg.subscriber.replay_timeout = args.replay_timeout
-    return cfg.validate()
+        flags["subscriber"].update(event_plane=args.event_plane, replica_name=args.replica_name)
+    for section, values in flags.items():
+        sections[section].update({k: v for k, v in values.items() if v is not None})
+    return from_dict(data).validate()
 
 
 async def serve(cfg: ServiceConfig, stop: asyncio.Event, *, announce=print, fleet=None) -> None:

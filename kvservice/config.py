@@ -1,6 +1,13 @@
 """The service's configuration: one schema, read from TOML (or YAML when PyYAML is importable)
 and/or command-line flags, validated with an error that names the bad key.
 
+Each section is a ``msgspec.Struct`` and the whole file one (:class:`ServiceConfig`):
+:func:`from_dict` decodes the parsed file with msgspec (:func:`kvevents.settings.decode`), so an
+unknown key, a wrong type or a value out of its range (``Meta``, ``Literal``, ``__post_init__``)
+is refused with one line naming the key by msgspec's path (``pods[0].dp: unknown key (known:
+...)``, ``api.port must be int <= 65535, got 70000``); :meth:`ServiceConfig.validate` then checks
+the rules between keys (endpoints, bind mode, models, the proxy's pods).
+
 Schema (every section and key optional unless marked; unknown keys are errors)::
 
     [router]                     # consumers.RouterConfig fields
@@ -53,34 +60,65 @@ try:
     import tomllib
 except ImportError:  # Python 3.10
     tomllib = None  # type: ignore[assignment]
-from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from consumers import RouterConfig
 from kvevents.endpoints import offset_endpoint, validate_endpoint
 from kvevents.errors import ConfigError, EndpointError
+from kvevents.settings import KeyCheck, decode
 
 from .http_limits import HttpConfig
-from .proxy_config import ProxyConfig, proxy_section
+from .proxy_config import ProxyConfig
 
-__all__ = ["ApiConfig", "PodConfig", "ServiceConfig", "SubscriberConfig", "load_config"]
+__all__ = ["ApiConfig", "PodConfig", "RouterSection", "ServiceConfig", "SubscriberConfig", "from_dict", "load_config"]
 
-#: RouterConfig fields a config file may set (the rest are the router's internals)
-ROUTER_KEYS = ("model", "block_size", "max_entries", "max_learned", "load_weight", "tier_weights",
-               "default_tier_weight", "offload_chunk_blocks", "state_factors", "pending_capacity",
-               "pending_max_batches", "max_tiers", "relearn_batches")
+#: seconds, > 0
+Seconds = Annotated[float, Meta(gt=0)]
 
 
-@dataclass(slots=True)
-class PodConfig:
+class RouterSection(Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[router]``: the consumers.RouterConfig fields a config file may set (the rest are the
+    router's internals). A key left out keeps RouterConfig's default, which also checks the
+    ranges (:meth:`ServiceConfig.router_config`)."""
+
+    model: Annotated[str, Meta(min_length=1)] | None = None
+    block_size: int | UnsetType = UNSET
+    max_entries: int | UnsetType = UNSET
+    max_learned: int | None | UnsetType = UNSET
+    load_weight: float | UnsetType = UNSET
+    #: a partial table overrides RouterConfig's defaults key by key
+    tier_weights: dict[str, float] | UnsetType = UNSET
+    default_tier_weight: float | UnsetType = UNSET
+    offload_chunk_blocks: dict[str, int] | UnsetType = UNSET
+    state_factors: dict[str, float] | UnsetType = UNSET
+    pending_capacity: int | UnsetType = UNSET
+    pending_max_batches: int | UnsetType = UNSET
+    max_tiers: int | UnsetType = UNSET
+    relearn_batches: int | UnsetType = UNSET
+
+
+#: RouterConfig fields a config file may set
+ROUTER_KEYS = RouterSection.__struct_fields__
+
+
+class PodConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     name: str
     endpoint: str | None = None
     replay_endpoint: str | None = None
     model: str | None = None
-    data_parallel_size: int = 1
+    data_parallel_size: Annotated[int, Meta(ge=1)] = 1
     http: str | None = None
     topic: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or "#" in self.name:
+            raise KeyCheck("name", "must be a non-empty string without '#'", self.name)
+        if self.http is not None and not self.http.startswith(("http://", "https://")):
+            raise KeyCheck("http", "must be an http:// or https:// URL", self.http)
 
     def publishers(self) -> list[tuple[str, str | None, str | None]]:
         """``(identity, endpoint, replay)`` per data-parallel rank (rank 0 is the pod's name)."""
@@ -91,31 +129,29 @@ class PodConfig:
         return out
 
 
-@dataclass(slots=True)
-class ApiConfig:
+class ApiConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     api_token_file: str | None = None
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: Annotated[int, Meta(ge=1024)] = 1 << 20
     proxy: bool = False
     tokenizer: str | None = None
-    upstream_timeout: float = 60.0
-    down_for: float = 10.0
+    upstream_timeout: Seconds = 60.0
+    down_for: Seconds = 10.0
     #: answer POST /v1/score and /v1/pick with the lean HTTP/1.1 front (kvservice.fasthttp);
     #: false: every request goes through aiohttp
     fast_path: bool = True
     #: the process's GIL switch interval (sys.setswitchinterval), in ms: the longest the ingest
     #: thread keeps the GIL while the API's loop waits for it, and back (CPython's default: 5)
-    gil_switch_ms: float = 1.0
+    gil_switch_ms: Annotated[float, Meta(gt=0)] = 1.0
     #: the service's event loop: "auto" (uvloop where installed, else asyncio's), "uvloop", "asyncio"
-    event_loop: str = "auto"
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
 
 
-@dataclass(slots=True)
-class SubscriberConfig:
+class SubscriberConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     late_join: bool = True
-    stale_after: float = 10.0
-    replay_timeout: float = 2.0
+    stale_after: Seconds = 10.0
+    replay_timeout: Seconds = 2.0
     bind: str | None = None
     #: nats://HOST:PORT: read the fleet's events from the JetStream event plane instead of ZeroMQ
     event_plane: str | None = None
@@ -123,21 +159,26 @@ class SubscriberConfig:
     #: seconds: while batches trickle in, the ingest thread polls at most this often (each poll of
     #: many pods' sockets costs CPU, each wake-up a GIL hand-over); a backlog drains without pause;
     #: 0: poll again at once
-    poll_interval: float = 0.005
+    poll_interval: Annotated[float, Meta(ge=0, le=1)] = 0.005
+
+    def __post_init__(self) -> None:
+        if self.event_plane is not None and not self.event_plane.startswith(("nats://", "tls://")):
+            raise KeyCheck("event_plane", "must be a nats://HOST:PORT URL", self.event_plane)
 
 
-@dataclass(slots=True)
-class ServiceConfig:
-    router: dict[str, Any] = field(default_factory=dict)
-    api: ApiConfig = field(default_factory=ApiConfig)
-    subscriber: SubscriberConfig = field(default_factory=SubscriberConfig)
-    pods: list[PodConfig] = field(default_factory=list)
-    http: HttpConfig = field(default_factory=HttpConfig)  #: [http]: every connection's bounds (http_limits.py)
-    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+class ServiceConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    router: RouterSection = msgspec.field(default_factory=RouterSection)
+    api: ApiConfig = msgspec.field(default_factory=ApiConfig)
+    subscriber: SubscriberConfig = msgspec.field(default_factory=SubscriberConfig)
+    pods: list[PodConfig] = msgspec.field(default_factory=list)
+    #: [http]: every connection's bounds (http_limits.py)
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
+    proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
 
     def router_config(self) -> RouterConfig:
-        """The RouterConfig: the [router] keys, plus publisher identity -> pod for every rank."""
-        kw = dict(self.router)
+        """The RouterConfig: the [router] keys given, plus publisher identity -> pod for every rank."""
+        kw = msgspec.structs.asdict(self.router)
+        kw = {k: v for k, v in kw.items() if v is not UNSET}
         if kw.get("model") is None:
             models = {p.model for p in self.pods}
             if len(models) == 1 and None not in models:
@@ -155,8 +196,8 @@ class ServiceConfig:
                 kw[k] = {**getattr(RouterConfig(), k), **kw[k]}
         try:
             return RouterConfig(**kw)
-        except ConfigError as exc:
-            raise ConfigError(f"[router]: {exc}") from None
+        except ConfigError as exc:  # its own range checks: "RouterConfig.block_size must be ..."
+            raise ConfigError(f"router.{str(exc).removeprefix('RouterConfig.')}") from None
 
     def event_source(self) -> tuple[list[str], dict[str, Any]]:
         """``(urls, options)`` for :func:`kvevents.open_source`: the JetStream event plane (a
@@ -177,23 +218,22 @@ class ServiceConfig:
                                             "replays": {ep: rep for _, ep, rep in ranks if rep}}
 
     def pod_model(self, pod: PodConfig) -> str | None:
-        return pod.model or self.router.get("model")
+        return pod.model or self.router.model
 
     def models(self) -> set[str]:
         out = {m for p in self.pods if (m := self.pod_model(p))}
-        if self.router.get("model"):
-            out.add(self.router["model"])
+        if self.router.model:
+            out.add(self.router.model)
         return out
 
     def validate(self) -> "ServiceConfig":
+        """The rules between keys (each key's own were checked when it was decoded: from_dict)."""
         bind = self.subscriber.bind
-        plane = self.subscriber.event_plane
-        if plane is not None:
-            if not isinstance(plane, str) or not plane.startswith(("nats://", "tls://")):
-                raise ConfigError(f"subscriber.event_plane must be a nats://HOST:PORT URL, got {plane!r}")
+        if self.subscriber.event_plane is not None:
             if bind is not None:
                 raise ConfigError("subscriber.event_plane and subscriber.bind are alternatives: give one")
-            bind = plane  # pods are learned from the plane's kv@<pod>@<model> topics, as in bind mode
+            # pods are learned from the plane's kv@<pod>@<model> topics, as in bind mode
+            bind = self.subscriber.event_plane
         elif bind is not None:
             _endpoint(bind, "subscriber.bind")
         elif not self.pods:
@@ -203,8 +243,6 @@ class ServiceConfig:
         topics: dict[str, str] = {}
         for i, p in enumerate(self.pods):
             where = f"pods[{i}]"
-            if not isinstance(p.name, str) or not p.name or "#" in p.name:
-                raise ConfigError(f"{where}.name must be a non-empty string without '#', got {p.name!r}")
             if p.name in seen:
                 raise ConfigError(f"{where}.name {p.name!r} is given twice")
             seen.add(p.name)
@@ -221,41 +259,18 @@ class ServiceConfig:
                 topics[t] = p.name
             if p.replay_endpoint is not None:
                 _endpoint(p.replay_endpoint, f"{where}.replay_endpoint")
-            if not isinstance(p.data_parallel_size, int) or p.data_parallel_size < 1:
-                raise ConfigError(f"{where}.data_parallel_size must be a positive int, got {p.data_parallel_size!r}")
             try:
                 p.publishers()
             except EndpointError as exc:
                 raise ConfigError(f"{where}: {exc}") from None
-            if p.http is not None and not (isinstance(p.http, str) and p.http.startswith(("http://", "https://"))):
-                raise ConfigError(f"{where}.http must be an http:// or https:// URL, got {p.http!r}")
             if self.pod_model(p) is None:
                 # vLLM's default topic "" names no model: a batch from this pod could not be attributed
                 raise ConfigError(f"{where}.model: pod {p.name!r} names no model and router.model is not set; "
                                   "vLLM's default topic \"\" does not carry one, so its events could not be indexed")
-        a = self.api
-        if not isinstance(a.port, int) or not 0 <= a.port <= 65535:
-            raise ConfigError(f"api.port must be an int in [0, 65535], got {a.port!r}")
-        if not isinstance(a.max_body_bytes, int) or a.max_body_bytes < 1024:
-            raise ConfigError(f"api.max_body_bytes must be an int >= 1024, got {a.max_body_bytes!r}")
-        for k in ("upstream_timeout", "down_for", "gil_switch_ms"):
-            v = getattr(a, k)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"api.{k} must be a positive number, got {v!r}")
-        if a.event_loop not in ("auto", "uvloop", "asyncio"):
-            raise ConfigError(f"api.event_loop must be one of auto, uvloop, asyncio, got {a.event_loop!r}")
-        if a.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        if self.api.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
             raise ConfigError("api.event_loop = \"uvloop\" but uvloop is not installed (pip install uvloop)")
-        if a.proxy and not any(p.http for p in self.pods):
+        if self.api.proxy and not any(p.http for p in self.pods):
             raise ConfigError("api.proxy needs pods with an http URL (pods[].http) to forward to")
-        for k in ("stale_after", "replay_timeout"):
-            v = getattr(self.subscriber, k)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"subscriber.{k} must be a positive number, got {v!r}")
-        v = self.subscriber.poll_interval
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
-            raise ConfigError(f"subscriber.poll_interval must be seconds in [0, 1], got {v!r}")
-        self.http.validate()
         self.router_config()
         return self
 
@@ -267,70 +282,14 @@ def _endpoint(ep: object, key: str) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def _section(cls, data: object, where: str):
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a table, got {type(data).__name__}")
-    names = {f.name: f for f in fields(cls)}
-    for k in data:
-        if k not in names:
-            raise ConfigError(f"{where}.{k}: unknown key (known: {', '.join(sorted(names))})")
-    kw = {}
-    for k, v in data.items():
-        want = names[k].type
-        _check_type(v, want, f"{where}.{k}")
-        kw[k] = v
-    if cls is PodConfig and "name" not in kw:
-        raise ConfigError(f"{where}.name is required")
-    return cls(**kw)
+def from_dict(data: Any) -> ServiceConfig:
+    """A ServiceConfig from parsed TOML/YAML: every key's type and range checked here, with one
+    line naming the key (msgspec's path); the rules between keys: :meth:`ServiceConfig.validate`."""
+    return decode(data, ServiceConfig)
 
 
-_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}
-
-
-def _check_type(v: object, want: str, key: str) -> None:
-    optional = want.endswith(" | None")
-    base = want.removesuffix(" | None")
-    if v is None and optional:
-        return
-    t = _TYPES.get(base)
-    if t is None:
-        return
-    ok = isinstance(v, t) and (base == "bool" or not isinstance(v, bool))
-    if not ok:
-        raise ConfigError(f"{key} must be {base}, got {v!r}")
-
-
-def from_dict(data: dict) -> ServiceConfig:
-    """A ServiceConfig from parsed TOML/YAML (not yet validated: :meth:`ServiceConfig.validate`)."""
-    if not isinstance(data, dict):
-        raise ConfigError("the config must be a table at the top level")
-    known = ("router", "api", "subscriber", "pods", "http", "proxy")
-    for k in data:
-        if k not in known:
-            raise ConfigError(f"{k}: unknown key (known: {', '.join(known)})")
-    router = data.get("router", {})
-    if not isinstance(router, dict):
-        raise ConfigError("router must be a table")
-    for k in router:
-        if k not in ROUTER_KEYS:
-            raise ConfigError(f"router.{k}: unknown key (known: {', '.join(ROUTER_KEYS)})")
-    if "model" in router and not (router["model"] is None or isinstance(router["model"], str) and router["model"]):
-        raise ConfigError(f"router.model must be a non-empty string, got {router['model']!r}")
-    pods = data.get("pods", [])
-    if not isinstance(pods, list):
-        raise ConfigError("pods must be an array of tables ([[pods]])")
-    return ServiceConfig(
-        router=dict(router),
-        api=_section(ApiConfig, data.get("api", {}), "api"),
-        subscriber=_section(SubscriberConfig, data.get("subscriber", {}), "subscriber"),
-        pods=[_section(PodConfig, p, f"pods[{i}]") for i, p in enumerate(pods)],
-        http=_section(HttpConfig, data.get("http", {}), "http"),
-        proxy=proxy_section(data.get("proxy", {})),
-    )
-
-
-def load_config(path: str | Path) -> ServiceConfig:
-    """Read a TOML file (``.yaml``/``.yml``: YAML, when PyYAML is importable)."""
+def read_config(path: str | Path) -> Any:
+    """A TOML file's tables (``.yaml``/``.yml``: YAML, when PyYAML is importable), not yet checked."""
     p = Path(path)
     try:
         text = p.read_bytes()
@@ -342,17 +301,21 @@ def load_config(path: str | Path) -> ServiceConfig:
         except ImportError:
             raise ConfigError(f"{p}: YAML needs PyYAML (pip install pyyaml), or write the config as TOML") from None
         try:
-            data = yaml.safe_load(text) or {}
+            return yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{p}: not valid YAML: {exc}") from None
-    else:
-        if tomllib is None:
-            raise ConfigError(f"{p}: reading TOML needs Python 3.11+ (tomllib); use YAML with PyYAML instead")
-        try:
-            data = tomllib.loads(text.decode("utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    if tomllib is None:
+        raise ConfigError(f"{p}: reading TOML needs Python 3.11+ (tomllib); use YAML with PyYAML instead")
+    try:
+        return tomllib.loads(text.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+
+
+def load_config(path: str | Path) -> ServiceConfig:
+    """Read and decode a config file; an error names the file, then the key."""
+    data = read_config(path)
     try:
         return from_dict(data)
     except ConfigError as exc:
-        raise ConfigError(f"{p}: {exc}") from None
+        raise ConfigError(f"{path}: {exc}") from None

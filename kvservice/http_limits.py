@@ -12,9 +12,10 @@ import asyncio
 import logging
 import resource
 from collections import deque
-from dataclasses import dataclass
+from typing import Annotated
 
-from kvevents.errors import ConfigError
+import msgspec
+from msgspec import Meta
 
 __all__ = ["Bounds", "HttpConfig", "LIMITS", "QuietProtocolLog", "auto_max_connections", "runner_kwargs"]
 
@@ -25,39 +26,28 @@ LIMITS = ("header_timeout", "body_timeout", "idle_timeout", "connections", "buff
           "body_too_large")
 
 
-@dataclass(slots=True)
-class HttpConfig:
+#: seconds, in (0, 1 day]
+Timeout = Annotated[float, Meta(gt=0, le=86400)]
+
+
+class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``[http]``: every connection's bounds (seconds, counts, bytes)."""
 
     #: seconds from a request's first byte to the end of its head (request line + headers)
-    header_timeout: float = 10.0
+    header_timeout: Timeout = 10.0
     #: seconds from the end of a request's head to the last byte of its body
-    body_timeout: float = 30.0
+    body_timeout: Timeout = 30.0
     #: seconds a keep-alive connection may sit with no request (also aiohttp's keepalive_timeout)
-    idle_timeout: float = 75.0
+    idle_timeout: Timeout = 75.0
     #: open client connections at most; 0: from the descriptor limit (RLIMIT_NOFILE), see
     #: :func:`auto_max_connections`
-    max_connections: int = 0
+    max_connections: Annotated[int, Meta(ge=0)] = 0
     #: connections admitted past ``max_connections`` for ``GET /healthz`` / ``/readyz`` only
-    reserved_connections: int = 8
+    reserved_connections: Annotated[int, Meta(ge=1)] = 8
     #: bytes held at once, all connections together, for requests not yet fully received
-    max_buffered_bytes: int = 128 << 20
+    max_buffered_bytes: Annotated[int, Meta(ge=65536)] = 128 << 20
     #: the longest request head (request line + headers) read
-    max_head_bytes: int = 16384
-
-    def validate(self) -> "HttpConfig":
-        for k in ("header_timeout", "body_timeout", "idle_timeout"):
-            v = getattr(self, k)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 86400:
-                raise ConfigError(f"http.{k} must be seconds in (0, 86400], got {v!r}")
-        for k, low in (("max_connections", 0), ("reserved_connections", 1), ("max_buffered_bytes", 65536),
-                       ("max_head_bytes", 1024)):
-            v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ConfigError(f"http.{k} must be an int >= {low}, got {v!r}")
-        if self.max_head_bytes > 1 << 20:
-            raise ConfigError(f"http.max_head_bytes must be at most 1048576, got {self.max_head_bytes!r}")
-        return self
+    max_head_bytes: Annotated[int, Meta(ge=1024, le=1 << 20)] = 16384
 
     def connection_cap(self) -> int:
         return self.max_connections or auto_max_connections(self.reserved_connections)

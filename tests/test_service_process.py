@@ -54,7 +54,7 @@ def test_config_file_is_read_and_validated(tmp_path) -> None:
     ('[[pods]]\nendpoint = "tcp://127.0.0.1:1"\n', r"pods\[0\]\.name is required"),
     ('[[pods]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\n', r"pods\[0\]\.model"),
     ('[router]\nblock_size = 0\n[[pods]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\nmodel = "m"\n',
-     r"\[router\]: RouterConfig\.block_size"),
+     r"^router\.block_size must be a positive int, got 0$"),
     ('[[pods]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\nmodel = "m"\n[[pods]]\nname = "a"\n'
      'endpoint = "tcp://127.0.0.1:2"\nmodel = "m"\n', r"pods\[1\]\.name 'a' is given twice"),
     ('[api]\nproxy = true\n[[pods]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\nmodel = "m"\n', r"pods\[\]\.http"),
