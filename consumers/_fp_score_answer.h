@@ -1,5 +1,5 @@
-/* _fp_score_answer.h: the service's hot route in C, bytes out (included by _fp_score_pods.h,
- * after _fp_score_json.h, whose json_request reads the request).
+/* _fp_score_answer.h: the service's hot route in C, bytes out (the request is read by
+ * _fp_json_request.h; the walk and the per-endpoint tiers are _fp_score_plan.h's).
  *
  * score_json(table, tokens, parent, block_size, plan, model_json) -> (answer, top_tiers) | None
  *     score_pods with no load (every pod's load 0.0), written straight to the JSON answer of
