@@ -34,14 +34,14 @@ _enc = msgspec.json.encode
 
 def _json_plan(rows: tuple, pods: dict, stages: list) -> tuple:
     """What score_json writes that only the plan decides, as msgspec writes it: per row the
-    pod's JSON string (the pick), the Score's text before its total and after its matched
-    tokens (load 0.0); per stage its tier's ``"name":``; the pods' indices in name order (the
+    pod's JSON string (the pick), the Score's text before its total and from its matched
+    tokens' end to ``"load":``; per stage its tier's ``"name":``; the pods' indices in name order (the
     answer's order where totals tie); the rows' (slot, pod index, factor as a float) packed as C
     reads them (a factor is an int or a float, RouterConfig.state_factors: the same product
     either way, and its fragment is msgspec's text of it as it is)."""
     frags = tuple((_enc(pod), b'{"pod":' + _enc(pod) + b',"total":',
                    b',"rank":' + _enc(rank) + b',"state":' + _enc(state) + b',"factor":' + _enc(factor) +
-                   b',"load":0.0}') for _slot, pod, rank, state, factor, _pi in rows)
+                   b',"load":') for _slot, pod, rank, state, factor, _pi in rows)
     return (frags, tuple(_enc(name) + b":" for _, name, _ in stages),
             array("I", [pods[p] for p in sorted(pods)]).tobytes(),
             b"".join(struct.pack("=iid", slot, pi, float(factor)) for slot, _pod, _rank, _state, factor, pi in rows))
@@ -137,12 +137,13 @@ class Scorer:
         self._count(len(toks), None if top is None else top.tokens_by_tier)
         return out
 
-    def score_json(self, tokens: object, lora_name: str | None = None, *, model: str | None = None) -> bytes | None:
+    def score_json(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
+                   load: Mapping[str, float] | None = None) -> bytes | None:
         """The service's ``/v1/score`` answer as JSON bytes — ``{"model", "prompt_tokens", "pick",
-        "pods"}``, the pods' Scores sorted by (-total, load, pod) — in one C call
-        (``consumers/_fp_score_answer.h``), counted like :meth:`score`; no load (every pod's 0.0).
-        None where the index is not the native one (no C table to walk): the caller then
-        encodes :meth:`score`'s Scores, the reference these bytes are tested against."""
+        "pods"}``, :meth:`score`'s Scores sorted by (-total, load, pod) — in one C call
+        (``consumers/_fp_score_answer.h``), counted like :meth:`score`. None where the index is
+        not the native one (no C table to walk): the caller then encodes :meth:`score`'s
+        Scores, the reference these bytes are tested against."""
         accel = self._accel
         if accel is None:
             return None
@@ -155,7 +156,7 @@ class Scorer:
             if len(self._model_json) < 64:  # the fleet's models (a query's unknown one is refused before)
                 self._model_json[model] = model_json
         res = _FAST.score_json(accel.table, toks, model_seed(model, lora_name), self._bs, self._pods_plan(plan),
-                               model_json)
+                               model_json, load if load is None or type(load) is dict else dict(load))
         self._count(len(toks), res[1])
         return res[0]
 

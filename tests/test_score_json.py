@@ -28,9 +28,9 @@ pytestmark = pytest.mark.skipif(_FAST is None,
 PODS = ["pod0", 'po"d1', "pöd2", "p\\od3", "pod4", "a"]  # quotes, backslashes, UTF-8 in names
 
 
-def _answer(router: KVRouter, prompt, model: str = "m") -> bytes:
-    """What the API's aiohttp route writes (kvservice.api.Api._score_answer)."""
-    scores = router.score(prompt, None, model=model)
+def _answer(router: KVRouter, prompt, model: str = "m", load=None) -> bytes:
+    """What the Python reference writes: score()'s Scores sorted and encoded by msgspec."""
+    scores = router.score(prompt, None, model=model, load=load)
     pods = sorted(scores.values(), key=lambda s: (-s.total, s.load, s.pod))
     return msgspec.json.encode({"model": model, "prompt_tokens": len(prompt), "pick": pods[0].pod if pods else None,
                                 "pods": pods})
@@ -60,12 +60,14 @@ def test_score_json_writes_what_score_and_msgspec_write(data):
             r.apply(name, KVEventBatch(0.0, [ev], rank))
     prompt = data.draw(st.sampled_from(docs))[: data.draw(st.integers(0, 40))] + data.draw(
         st.lists(st.integers(0, 50), max_size=8))
-    got = routers[0].scorer.score_json(prompt, None, model="m")
-    want = _answer(routers[1], prompt)
+    load = data.draw(st.none() | st.dictionaries(st.sampled_from(PODS + ["other"]), st.one_of(
+        st.floats(-4, 4, allow_nan=False), st.integers(-3, 3), st.sampled_from([0.0, -0.0, 1e-7, 2.5e20])), max_size=4))
+    got = routers[0].scorer.score_json(prompt, None, model="m", load=load)
+    want = _answer(routers[1], prompt, load=load)
     assert got == want
-    assert json.loads(got)["pick"] == routers[1].pick(prompt)
+    assert json.loads(got)["pick"] == routers[1].pick(prompt, load=load)
     s0, s1 = routers[0].stats, routers[1].stats  # routers[1]: score() and pick(), one lookup each
-    routers[0].score(prompt)  # now one score_json and one score(): the same counters
+    routers[0].score(prompt, load=load)  # now one score_json and one score(): the same counters
     assert (s0.lookups, s0.prompt_tokens, s0.matched_tokens) == (s1.lookups, s1.prompt_tokens, s1.matched_tokens)
 
 
