@@ -295,7 +295,9 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         JW_LIT(q, "},\"matched_tokens\":");
         q = jw_long(q, a->t.matched);
         JW_BYTES(q, PyTuple_GET_ITEM(a->frag, 2));
-        if ((q = jw_double(q, a->load)) == NULL)
+        if (a->load == 0.0 && !signbit(a->load)) /* no load given for the pod: most answers' every pod */
+            JW_LIT(q, "0.0");
+        else if ((q = jw_double(q, a->load)) == NULL)
             goto done;
         *q++ = '}';
     }
