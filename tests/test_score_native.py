@@ -72,6 +72,19 @@ def test_the_walk_takes_every_tier_the_config_allows():
         RouterConfig(max_tiers=MAX_TIERS + 1)
 
 
+class _NoMatch:
+    """The Index role, with match (the Python walk's) refused."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def match(self, *args):
+        raise AssertionError("the score took the Python walk")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def test_score_past_the_walks_stack_layout():
     """Over 1,024 endpoint slots (the slot sets' words on the heap) and MAX_TIERS tiers (masks
     of 2,048 x 16 bits, far past 64 words): the C path answers every such layout, as the Python
@@ -94,9 +107,15 @@ def test_score_past_the_walks_stack_layout():
                 r.apply(f"pod{p}", KVEventBatch(0.0, evs, rank))
     native = routers[0]
     assert native.scorer._accel.cap > 1024
+    role = native.scorer.index
     for prompt in (doc, doc[:17], doc[:6] + [99] * 10, [5, 6]):
         want = routers[1].score(prompt)
-        assert native.score(prompt) == want == native.scorer.score_py(prompt)
+        assert native.scorer.score_py(prompt) == want
+        native.scorer.index = _NoMatch(role)  # the C path walks the table, never the role
+        try:
+            assert native.score(prompt) == want
+        finally:
+            native.scorer.index = role
         assert native.pick(prompt) == routers[1].pick(prompt)
         got = json.loads(native.scorer.score_json(prompt))
         assert got["pick"] == routers[1].pick(prompt) and len(got["pods"]) == len(want)
