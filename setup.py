@@ -7,6 +7,8 @@ path and its one CRC32C routine (needs zlib.h); without it the tier reads in Pyt
 (``stats()["native_io"]``) and writes zlib's CRC32.
 """
 
+from pathlib import Path
+
 from setuptools import Extension, setup
 
 setup(
@@ -14,10 +16,7 @@ setup(
         Extension(
             "consumers._fastpath",
             sources=["consumers/_fastpath.c"],
-            depends=[f"consumers/{h}" for h in ("_fp_hash.h", "_fp_parse.h", "_fp_apply.h", "_fp_score.h", "_fp_score_pods.h",
-                                                 "_fp_score_json.h", "_fp_score_answer.h", "_masktable.h", "_masktable_map.h",
-                                                 "_masktable_ops.h", "_masktable_core.h", "_masktable_grow.h", "_oa.h", "_learned.h",
-                                                 "_learned_py.h")],
+            depends=sorted(str(p) for p in Path("consumers").glob("*.h")),
             optional=True,
             extra_compile_args=["-O2", "-Wall", "-Wno-unused-variable"],
         ),

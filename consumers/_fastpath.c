@@ -23,8 +23,8 @@
  *     Python path and returns what it did (counts added to the caller's tally buffer, where it
  *     stopped, what changed on the endpoint); it never calls back into Python.
  *
- * Sources, one translation unit: _fp_hash.h (hashes), _fp_parse.h (msgpack), _fp_apply.h
- * (applying), _masktable*.h (the index's table), _learned*.h (the learned-hash table).
+ * Sources, one translation unit: the headers listed below, each one role, included here only
+ * (tests/test_architecture.py checks that no header includes another).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -41,13 +41,25 @@
 #define AS_U64(o) ((uint64_t)PyLong_AsUnsignedLongLong(o))
 #endif
 
-#include "_masktable.h"
-#include "_learned.h"
-
-#include "_fp_hash.h"
-#include "_fp_parse.h"
-#include "_fp_apply.h"
-#include "_fp_score.h"
+/* Every header of the module, one role each, in the order they build on each other (no header
+ * includes another): */
+#include "_oa.h"               /* open addressing, shared by both tables */
+#include "_masktable_core.h"   /* MaskTable: its layout */
+#include "_masktable_grow.h"   /*   its growth (segments, incremental rehash) */
+#include "_masktable.h"        /*   its lookups and bit operations */
+#include "_masktable_map.h"    /*   its Python mapping interface */
+#include "_masktable_ops.h"    /*   its Python index operations and type */
+#include "_learned.h"          /* LearnedTable: engine hash -> router key */
+#include "_learned_py.h"       /*   its Python methods and type */
+#include "_fp_hash.h"          /* CPython's int and tuple hashes, chain_keys */
+#include "_fp_parse.h"         /* the KVEventBatch msgpack parser */
+#include "_fp_apply.h"         /* applying parsed events to the tables */
+#include "_fp_score_keys.h"    /* a prompt's keys from a buffer of token ids */
+#include "_fp_score_walk.h"    /* the score's walk over the MaskTable */
+#include "_fp_score_plan.h"    /* the Scorer's plan and one endpoint's tiers from the walk */
+#include "_fp_score_pods.h"    /* score_pods: KVRouter.score's Scores */
+#include "_fp_json_request.h"  /* json_request, json_tokens: the score request's JSON read */
+#include "_fp_score_answer.h"  /* score_json: the /v1/score answer's JSON written */
 
 /* apply(payload, contexts, stamp, tally) -> None | (status, next, block_size, token_mask, rank,
  *                                                   left, rest_from, rest_to)
@@ -316,10 +328,9 @@ static PyMethodDef methods[] = {
     {"ingest", (PyCFunction)(void (*)(void))py_ingest, METH_FASTCALL | METH_KEYWORDS,
      "NativeIngestor.apply_payload: bind with functools.partial(ingest, by_pod, endpoints, pending_by_hash, "
      "pending, tally, finish, expire, context)."},
-    {"json_tokens", py_json_tokens, METH_O, "json_tokens(raw) -> array('I') | None (see _fp_score.h)."},
-    {"score_walk", (PyCFunction)(void (*)(void))py_score_walk, METH_FASTCALL, "chain_keys + walk in one call (see _fp_score.h)."},
+    {"json_tokens", py_json_tokens, METH_O, "json_tokens(raw) -> array('I') | None (see _fp_json_request.h)."},
     {"score_pods", (PyCFunction)(void (*)(void))py_score_pods, METH_FASTCALL, "Scorer.score's answer in one call (see _fp_score_pods.h)."},
-    {"json_request", py_json_request, METH_O, "json_request(body) -> (model, lora_name, tokens) | None (see _fp_score_json.h)."},
+    {"json_request", py_json_request, METH_O, "json_request(body) -> (model, lora_name, tokens) | None (see _fp_json_request.h)."},
     {"score_json", (PyCFunction)(void (*)(void))py_score_json, METH_FASTCALL, "The /v1/score answer as JSON in one call (see _fp_score_answer.h)."},
     {NULL, NULL, 0, NULL},
 };
@@ -338,7 +349,7 @@ PyInit__fastpath(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddIntConstant(m, "TALLY_SLOTS", T_N) < 0 ||
+    if (PyModule_AddIntConstant(m, "TALLY_SLOTS", T_N) < 0 || PyModule_AddIntConstant(m, "MAX_STAGES", ST_MAX) < 0 ||
         PyModule_AddObjectRef(m, "MaskTable", (PyObject *)&MaskTableType) < 0 ||
         PyModule_AddObjectRef(m, "LearnedTable", (PyObject *)&LearnedTableType) < 0) {
         Py_DECREF(m);

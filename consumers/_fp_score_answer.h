@@ -1,19 +1,18 @@
-/* _fp_score_answer.h: the service's hot route in C, bytes out (included by _fp_score_pods.h,
- * after _fp_score_json.h, whose json_request reads the request).
+/* _fp_score_answer.h: the service's hot route in C, bytes out (the request is read by
+ * _fp_json_request.h; the walk and the per-endpoint tiers are _fp_score_plan.h's).
  *
- * score_json(table, tokens, parent, block_size, plan, model_json) -> (answer, top_tiers) | None
- *     score_pods with no load (every pod's load 0.0), written straight to the JSON answer of
- *     /v1/score: {"model", "prompt_tokens", "pick", "pods": [Score...]} with the pods sorted
- *     by (-total, load, pod) and each Score's fields in the Struct's order; the same totals
+ * score_json(table, tokens, parent, block_size, plan, model_json, load) -> (answer, top_tiers)
+ *     score_pods written straight to the JSON answer of /v1/score: {"model", "prompt_tokens",
+ *     "pick", "pods": [Score...]} with the pods sorted by (-total, load, pod) and each Score's
+ *     fields in the Struct's order; load: None or a dict pod -> number, as score_pods's; the same totals
  *     bit for bit (the same float arithmetic in the same order) and the same bytes as msgspec
  *     writes. model_json: the model as a JSON string (bytes, msgspec's). What only the plan
  *     decides comes written from it (consumers.scorer._json_plan: per row the pod's JSON
- *     string and its Score's text before the total and after matched_tokens, per stage the
- *     tier's "name":, the pods in name order, the rows' slot, pod index and factor packed);
- *     this call writes the numbers between them.
+ *     string and its Score's text before the total and from matched_tokens' end to "load":,
+ *     per stage the tier's "name":, the pods in name order, the rows' slot, pod index and
+ *     factor packed); this call writes the numbers between them.
  *     top_tiers: the pick's tokens_by_tier as a dict (for the router's counters), or None
- *     without a pick. None when the plan has no fragments (a pod, state, rank or factor of a
- *     type the plan does not write): the caller then takes score_pods + msgspec.
+ *     without a pick.
  */
 
 /* ------------------------------------------------------------------ numbers as msgspec writes them */
@@ -102,21 +101,32 @@ typedef struct {
 typedef struct {
     PyObject *frag;  /* (pod's JSON string, text before total, text after matched_tokens): borrowed */
     uint32_t byname; /* the pod's place in name order */
+    double load;
     PodTiers t;
 } PodAns;
+
+/* x goes before y in the answer: (-total, load, pod) */
+static inline int
+podans_before(const PodAns *x, const PodAns *y)
+{
+    if (x->t.total != y->t.total)
+        return x->t.total > y->t.total;
+    if (x->load != y->load)
+        return x->load < y->load;
+    return x->byname < y->byname;
+}
 
 static int
 podans_cmp(const void *a, const void *b)
 {
     const PodAns *x = *(PodAns *const *)a, *y = *(PodAns *const *)b;
-    if (x->t.total != y->t.total)
-        return x->t.total > y->t.total ? -1 : 1; /* higher total first (loads are all 0.0) */
-    return (x->byname > y->byname) - (x->byname < y->byname);
+    return podans_before(x, y) ? -1 : podans_before(y, x) ? 1 : 0;
 }
 
-/* the pods in name order -> sorted by (-total, name): a stable sort on the total alone. Most
- * pods of an answer share a total (0.0: nothing matched), so an insertion sort moves only the
- * few that matched; past 64 pods, qsort (the same order) bounds the worst case. */
+/* the pods in name order -> sorted by (-total, load, name). Most pods of an answer share a
+ * total (0.0: nothing matched) and a load, so an insertion sort moves only the few that
+ * matched; past 64 pods, qsort (the same order: no two pods compare equal) bounds the worst
+ * case. */
 static void
 podans_sort(PodAns **order, size_t n)
 {
@@ -127,7 +137,7 @@ podans_sort(PodAns **order, size_t n)
     for (size_t i = 1; i < n; i++) {
         PodAns *x = order[i];
         size_t j = i;
-        while (j > 0 && order[j - 1]->t.total < x->t.total) {
+        while (j > 0 && podans_before(x, order[j - 1])) {
             order[j] = order[j - 1];
             j--;
         }
@@ -142,13 +152,17 @@ podans_sort(PodAns **order, size_t n)
 static PyObject *
 py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "score_json(table, tokens, parent, block_size, plan, model_json)");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "score_json(table, tokens, parent, block_size, plan, model_json, load)");
         return NULL;
     }
-    PyObject *model = args[5];
+    PyObject *model = args[5], *load = args[6];
     if (!PyBytes_Check(model)) {
         PyErr_SetString(PyExc_TypeError, "score_json: model_json must be bytes (the model as a JSON string)");
+        return NULL;
+    }
+    if (load != Py_None && !PyDict_Check(load)) {
+        PyErr_SetString(PyExc_TypeError, "score_json: load must be None or a dict");
         return NULL;
     }
     Plan p;
@@ -162,10 +176,6 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PodAns *stack_best[ANS_STACK], **best = stack_best; /* per pod index: its best rank's answer */
     PodAns *stack_order[ANS_STACK], **order = stack_order;
     PyObject *result = NULL, *top_tiers = NULL, *out = NULL;
-    if (frags == Py_None) { /* types the plan does not write */
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
     if (!PyTuple_Check(frags) || PyTuple_GET_SIZE(frags) != nrows || !PyBytes_Check(rows_packed) ||
         PyBytes_GET_SIZE(rows_packed) != nrows * (Py_ssize_t)sizeof(PackedRow) || !PyTuple_Check(tier_frags) ||
         PyTuple_GET_SIZE(tier_frags) < (Py_ssize_t)p.w.T || !PyBytes_Check(byname) ||
@@ -206,7 +216,25 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_TypeError, "score_json: malformed plan (a row's fragments)");
             goto done;
         }
-        if (plan_pod(&p, slot, factor, 0.0, &a->t) < 0)
+        a->load = 0.0;
+        if (load != Py_None) { /* pod_load = float(load.get(pod, 0.0)) */
+            PyObject *row_t = PyTuple_GET_ITEM(p.rows, r);
+            if (!PyTuple_Check(row_t) || PyTuple_GET_SIZE(row_t) != 6) {
+                PyErr_SetString(PyExc_TypeError, "score_json: a row is (slot, pod, rank, state, factor, pod_index)");
+                goto done;
+            }
+            PyObject *lv = PyDict_GetItemWithError(load, PyTuple_GET_ITEM(row_t, 1));
+            if (lv == NULL && PyErr_Occurred())
+                goto done;
+            if (lv != NULL) {
+                PyObject *lf = PyNumber_Float(lv);
+                if (lf == NULL)
+                    goto done;
+                a->load = PyFloat_AS_DOUBLE(lf);
+                Py_DECREF(lf);
+            }
+        }
+        if (plan_pod(&p, slot, factor, a->load, &a->t) < 0)
             goto done;
         /* keep the pod's best rank: replace if prev is None or total > prev.total */
         if (best[pi] == NULL || a->t.total > best[pi]->t.total)
@@ -231,7 +259,7 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         a->byname = (uint32_t)npods;
         order[npods++] = a;
         cap += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(a->frag, 1)) + (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(a->frag, 2)) +
-               64 + JW_DOUBLE_MAX + a->t.ntier * (tier_max + 24);
+               64 + 2 * JW_DOUBLE_MAX + a->t.ntier * (tier_max + 24);
     }
     podans_sort(order, npods);
     if (npods)
@@ -267,6 +295,11 @@ py_score_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         JW_LIT(q, "},\"matched_tokens\":");
         q = jw_long(q, a->t.matched);
         JW_BYTES(q, PyTuple_GET_ITEM(a->frag, 2));
+        if (a->load == 0.0 && !signbit(a->load)) /* no load given for the pod: most answers' every pod */
+            JW_LIT(q, "0.0");
+        else if ((q = jw_double(q, a->load)) == NULL)
+            goto done;
+        *q++ = '}';
     }
     JW_LIT(q, "]}");
     if (_PyBytes_Resize(&out, q - PyBytes_AS_STRING(out)) < 0)

@@ -12,7 +12,7 @@
  * Memory comes from PyMem_Raw* (tracemalloc counts it).
  */
 
-#include "_oa.h"
+/* Needs _oa.h before it; its Python methods and type (_learned_py.h) come after it. */
 
 enum { LT_INT = 0, LT_OBJ = 1, LT_DEAD = 2 };
 
@@ -401,5 +401,3 @@ lt_len(LearnedTable *m)
 {
     return m->dict != NULL ? PyDict_GET_SIZE(m->dict) : (Py_ssize_t)m->live;
 }
-
-#include "_learned_py.h"

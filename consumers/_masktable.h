@@ -15,8 +15,8 @@
  * calls. All memory comes from PyMem_Raw* so tracemalloc counts it.
  */
 
-#include "_masktable_core.h"
-#include "_masktable_grow.h"
+/* Needs _masktable_core.h and _masktable_grow.h before it; its Python mapping interface
+ * (_masktable_map.h) and index operations and type (_masktable_ops.h) come after it. */
 
 /* entry of k, or MT_NONE; *pos gets the position where it is, OA_OLD | position when that is
  * in the old table of a rehash under way, or, when absent, where it would go */
@@ -250,6 +250,3 @@ map_item(int what, PyObject *k, PyObject *v)
     Py_DECREF(v);
     return item;
 }
-
-#include "_masktable_map.h"
-#include "_masktable_ops.h"

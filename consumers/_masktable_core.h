@@ -3,8 +3,6 @@
 #ifndef KVEVENTS_MASKTABLE_CORE_H
 #define KVEVENTS_MASKTABLE_CORE_H
 
-#include "_oa.h"
-
 #define MT_NOPAR ((uint64_t)0xFFFFFFFFFFFFFFFFULL) /* no parent link */
 
 typedef struct {

@@ -1,8 +1,6 @@
 /* _masktable_grow.h: how MaskTable grows without stopping the world (entry segments, the
  * incremental rehash), and the counters that show it. Included by _masktable.h. */
 
-#include "_masktable_core.h"
-
 /* entries per full segment: a power of two, about MT_SEG_BYTES of them, at least 64 */
 static inline uint32_t
 mt_seg_shift(size_t stride)

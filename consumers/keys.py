@@ -82,7 +82,7 @@ chain_keys = chain_keys_py if _FAST is None else _FAST.chain_keys
 #: which names the error). None itself where the C extension is not in use.
 json_tokens = getattr(_FAST, "json_tokens", None)
 #: ``json_request(body) -> (model, lora_name, memoryview('I')) | None``: a score request body of
-#: the common shape read in one pass (consumers/_fp_score_json.h); None: decode it with msgspec
+#: the common shape read in one pass (consumers/_fp_json_request.h); None: decode it with msgspec
 json_request = getattr(_FAST, "json_request", None)
 
 

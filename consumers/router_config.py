@@ -8,7 +8,11 @@ from kvevents.errors import ConfigError
 
 from .keys import DEFAULT_BLOCK_SIZE
 
-__all__ = ["PodRefused", "RouterConfig", "RouterStats", "RouterInputError"]
+__all__ = ["MAX_TIERS", "PodRefused", "RouterConfig", "RouterStats", "RouterInputError"]
+
+#: the most tiers a router holds: the stages the C score walk takes (consumers._fastpath's
+#: MAX_STAGES, tests/test_score_native.py checks they agree), for every index backend alike
+MAX_TIERS = 16
 
 
 class RouterInputError(ConfigError):
@@ -69,7 +73,7 @@ class RouterConfig:
     load_weight: float = 0.0
     #: kv-cache groups whose events are indexed (others are counted and skipped)
     groups: frozenset = frozenset({None, 0})
-    #: distinct tiers (media) the index can hold
+    #: distinct tiers (media) the index can hold, at most MAX_TIERS (the C score walk's stages)
     max_tiers: int = 4
     #: how many keys an offloaded chunk may span at most when it is inferred
     max_chunk_keys: int = 1024
@@ -96,6 +100,9 @@ class RouterConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"RouterConfig.{name} must be a positive int, got {v!r}")
+        if self.max_tiers > MAX_TIERS:
+            raise ConfigError(f"RouterConfig.max_tiers must be <= {MAX_TIERS} (the score walk's stages), "
+                              f"got {self.max_tiers!r}")
         if not isinstance(self.index, str) or not self.index:
             raise ConfigError(f"RouterConfig.index must be a backend name, got {self.index!r}")
         if self.max_learned is not None and self.max_learned <= 0:

@@ -17,11 +17,6 @@ from .score import Explanation, Score, TierMatch, best, better
 
 __all__ = ["Scorer"]
 
-#: the whole walk in one C call (consumers/_fp_score.h) where the index is the native one, and
-#: the whole answer (walk + per-pod Scores + the pick) in another (_fp_score_pods.h)
-_score_walk = getattr(_FAST, "score_walk", None)
-_score_pods = getattr(_FAST, "score_pods", None)
-_score_json = getattr(_FAST, "score_json", None)
 _DIRECT = (list, tuple, array)
 
 
@@ -39,20 +34,17 @@ _enc = msgspec.json.encode
 
 def _json_plan(rows: tuple, pods: dict, stages: list) -> tuple:
     """What score_json writes that only the plan decides, as msgspec writes it: per row the
-    pod's JSON string (the pick), the Score's text before its total and after its matched
-    tokens (load 0.0); per stage its tier's ``"name":``; the pods' indices in name order (the
-    answer's order where totals tie); the rows' (slot, pod index, factor) packed as C reads them.
-    (None, None, None, None) where a row holds a type the writer
-    does not take (it then answers None and the caller takes score() + msgspec)."""
-    if not all(type(pod) is str and type(rank) is int and type(state) is str and type(factor) is float
-               for _slot, pod, rank, state, factor, _pi in rows):
-        return None, None, None, None
+    pod's JSON string (the pick), the Score's text before its total and from its matched
+    tokens' end to ``"load":``; per stage its tier's ``"name":``; the pods' indices in name order (the
+    answer's order where totals tie); the rows' (slot, pod index, factor as a float) packed as C
+    reads them (a factor is an int or a float, RouterConfig.state_factors: the same product
+    either way, and its fragment is msgspec's text of it as it is)."""
     frags = tuple((_enc(pod), b'{"pod":' + _enc(pod) + b',"total":',
                    b',"rank":' + _enc(rank) + b',"state":' + _enc(state) + b',"factor":' + _enc(factor) +
-                   b',"load":0.0}') for _slot, pod, rank, state, factor, _pi in rows)
+                   b',"load":') for _slot, pod, rank, state, factor, _pi in rows)
     return (frags, tuple(_enc(name) + b":" for _, name, _ in stages),
             array("I", [pods[p] for p in sorted(pods)]).tobytes(),
-            b"".join(struct.pack("=iid", slot, pi, factor) for slot, _pod, _rank, _state, factor, pi in rows))
+            b"".join(struct.pack("=iid", slot, pi, float(factor)) for slot, _pod, _rank, _state, factor, pi in rows))
 
 
 class Scorer:
@@ -66,14 +58,6 @@ class Scorer:
         self._stats = stats
         self._cplan: tuple = (None, None)  # (the endpoints' plan, score_pods' plan built from it)
         self._model_json: dict[str, bytes] = {}  # model -> its JSON string (score_json's answer)
-
-    def _table(self, lanes):
-        """The native backend's C table when the walk can run in C, else None (the walk then
-        goes through the Index role)."""
-        accel = self._accel
-        if accel is None or _score_walk is None or len(lanes) > 16 or accel.cap > 1024:
-            return None
-        return accel.table
 
     def _pods_plan(self, plan: tuple) -> tuple:
         """score_pods' and score_json's plan for the endpoints' ``plan`` (rebuilt when that changes)."""
@@ -90,36 +74,32 @@ class Scorer:
         self._cplan = (plan, cplan)
         return cplan
 
-    def _walk(self, tokens: object, lora_name: str | None, model: str | None):
-        toks = _toks(tokens)
-        model = self.eps.model_for_query(model)
-        seed = model_seed(model, lora_name)
-        stages, lanes, start, eps = self.eps.plan(model)
-        index = self.index
-        table = self._table(lanes)
-        if table is not None:
-            n_keys, segments, ends = _score_walk(table, toks, seed, self._bs, lanes, start)
-            return toks, n_keys, stages, segments, ends, model, eps
-        if type(toks) is array or type(toks) is memoryview:
-            toks = toks.tolist()
-        keys = chain_keys(toks, seed, self._bs)
-        segments, ends = index.match(keys, [t for t, _, _ in stages], [ep.slot for ep, _, f in eps if f > 0])
-        return toks, len(keys), stages, segments, ends, model, eps
-
     def score(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
               load: Mapping[str, float] | None = None) -> dict[str, Score]:
-        """Pod -> :class:`Score` for every pod of ``model`` not excluded by its state."""
-        if _score_pods is not None and (load is None or type(load) is dict):
-            toks = _toks(tokens)
-            model = self.eps.model_for_query(model)
-            plan = self.eps.plan(model)
-            table = self._table(plan[1])
-            if table is not None:
-                out, top = _score_pods(table, toks, model_seed(model, lora_name), self._bs,
-                                       self._pods_plan(plan), load)
-                self._count(len(toks), None if top is None else top.tokens_by_tier)
-                return out
-        toks, n_keys, stages, segments, ends, model, eps = self._walk(tokens, lora_name, model)
+        """Pod -> :class:`Score` for every pod of ``model`` not excluded by its state: in one C
+        call (``score_pods``, consumers/_fp_score_pods.h) over the native index, else
+        :meth:`score_py`, the reference the C call is tested against."""
+        accel = self._accel
+        if accel is None:
+            return self.score_py(tokens, lora_name, model=model, load=load)
+        toks = _toks(tokens)
+        model = self.eps.model_for_query(model)
+        plan = self.eps.plan(model)
+        out, top = _FAST.score_pods(accel.table, toks, model_seed(model, lora_name), self._bs, self._pods_plan(plan),
+                                    load if load is None or type(load) is dict else dict(load))
+        self._count(len(toks), None if top is None else top.tokens_by_tier)
+        return out
+
+    def score_py(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
+                 load: Mapping[str, float] | None = None) -> dict[str, Score]:
+        """:meth:`score` in Python over the Index role (any backend): chain_keys, the index's
+        match, then per endpoint its tokens by tier, total and Score."""
+        toks = as_token_list(tokens)
+        model = self.eps.model_for_query(model)
+        stages, _lanes, _start, eps = self.eps.plan(model)
+        keys = chain_keys(toks, model_seed(model, lora_name), self._bs)
+        segments, ends = self.index.match(keys, [t for t, _, _ in stages], [ep.slot for ep, _, f in eps if f > 0])
+        n_keys = len(keys)
         C = self._bs
         n_tokens = max(1, len(toks))
         lw = self._cfg.load_weight
@@ -157,28 +137,26 @@ class Scorer:
         self._count(len(toks), None if top is None else top.tokens_by_tier)
         return out
 
-    def score_json(self, tokens: object, lora_name: str | None = None, *, model: str | None = None) -> bytes | None:
+    def score_json(self, tokens: object, lora_name: str | None = None, *, model: str | None = None,
+                   load: Mapping[str, float] | None = None) -> bytes | None:
         """The service's ``/v1/score`` answer as JSON bytes — ``{"model", "prompt_tokens", "pick",
-        "pods"}``, the pods' Scores sorted by (-total, load, pod) — in one C call
-        (``consumers/_fp_score_answer.h``), counted like :meth:`score`; no load (every pod's 0.0).
-        None where that call cannot run (no C extension, not the native index, a plan it does
-        not know): the caller then takes :meth:`score` and encodes its Scores."""
-        if _score_json is None:
+        "pods"}``, :meth:`score`'s Scores sorted by (-total, load, pod) — in one C call
+        (``consumers/_fp_score_answer.h``), counted like :meth:`score`. None where the index is
+        not the native one (no C table to walk): the caller then encodes :meth:`score`'s
+        Scores, the reference these bytes are tested against."""
+        accel = self._accel
+        if accel is None:
             return None
         toks = _toks(tokens)
         model = self.eps.model_for_query(model)
         plan = self.eps.plan(model)
-        table = self._table(plan[1])
-        if table is None:
-            return None
         model_json = self._model_json.get(model)
         if model_json is None:
             model_json = _enc(model)
             if len(self._model_json) < 64:  # the fleet's models (a query's unknown one is refused before)
                 self._model_json[model] = model_json
-        res = _score_json(table, toks, model_seed(model, lora_name), self._bs, self._pods_plan(plan), model_json)
-        if res is None:
-            return None
+        res = _FAST.score_json(accel.table, toks, model_seed(model, lora_name), self._bs, self._pods_plan(plan),
+                               model_json, load if load is None or type(load) is dict else dict(load))
         self._count(len(toks), res[1])
         return res[0]
 

@@ -158,8 +158,17 @@ class Api:
 
     # ---- routes ----------------------------------------------------------------------------
     def _score_answer(self, req: ScoreRequest, model: str, tokens) -> bytes:
+        """The /v1/score answer, both routes': written in C by ``Scorer.score_json`` over the
+        native index; else (another index backend, or a traced scorer, whose spans need the
+        Scores) ``score()``'s Scores sorted and encoded by msgspec, the reference it is tested
+        against."""
+        router = self.fleet.router
+        score_json = getattr(router.scorer, "score_json", None)  # absent on a traced scorer
         with self.fleet.lock:
-            scores = self.fleet.router.score(tokens, req.lora_name, model=model, load=req.load)
+            out = None if score_json is None else score_json(tokens, req.lora_name, model=model, load=req.load)
+            if out is not None:
+                return out
+            scores = router.score(tokens, req.lora_name, model=model, load=req.load)
         pods = sorted(scores.values(), key=_ORDER)
         return msgspec.json.encode({
             "model": model, "prompt_tokens": len(tokens), "pick": pods[0].pod if pods else None,
@@ -176,9 +185,8 @@ class Api:
         caller then hands the request to aiohttp, which answers it with the error JSON).
 
         A body of the common shape (model, lora_name, token_ids) is read in one C pass
-        (``json_request``) and, for /v1/score, answered by one C call that writes the JSON
-        (``Scorer.score_json``); anything else takes msgspec's typed decode and the Scores'
-        encoding, as the aiohttp route does."""
+        (``json_request``), anything else by msgspec's typed decode; the answer is the aiohttp
+        route's (:meth:`_score_answer`, :meth:`_pick_answer`)."""
         got = json_request(body) if json_request is not None else None
         if got is None:
             req = decode(body, ScoreRequest)
@@ -193,13 +201,6 @@ class Api:
         model = self.model_named(req.model)
         if route != "/v1/score":
             return self._pick_answer(req, model, tokens)
-        if req.load is None:
-            score_json = getattr(self.fleet.router.scorer, "score_json", None)  # absent on a traced scorer
-            if score_json is not None:
-                with self.fleet.lock:
-                    out = score_json(tokens, req.lora_name, model=model)
-                if out is not None:
-                    return out
         return self._score_answer(req, model, tokens)
 
     async def score(self, request: web.Request) -> web.Response:

@@ -1,4 +1,4 @@
-"""The service's hot route in C (consumers/_fp_score_json.h) gives the Python route's answers.
+"""The service's hot route in C (consumers/_fp_json_request.h, _fp_score_answer.h) gives the Python route's answers.
 
 * ``Scorer.score_json`` (walk + per-pod Scores + sort + JSON in one C call) against
   ``KVRouter.score`` + the API's sort + msgspec's encoding: the same bytes (floats included),
@@ -22,15 +22,15 @@ from consumers.keys import _FAST, json_request
 from kvevents import BlockRemoved, BlockStored, KVEventBatch
 from kvservice.schema import ApiError, ScoreRequest, decode, token_ids_of
 
-pytestmark = pytest.mark.skipif(_FAST is None or not hasattr(_FAST, "score_json"),
+pytestmark = pytest.mark.skipif(_FAST is None,
                                 reason="the C extension is not in use")
 
 PODS = ["pod0", 'po"d1', "pöd2", "p\\od3", "pod4", "a"]  # quotes, backslashes, UTF-8 in names
 
 
-def _answer(router: KVRouter, prompt, model: str = "m") -> bytes:
-    """What the API's aiohttp route writes (kvservice.api.Api._score_answer)."""
-    scores = router.score(prompt, None, model=model)
+def _answer(router: KVRouter, prompt, model: str = "m", load=None) -> bytes:
+    """What the Python reference writes: score()'s Scores sorted and encoded by msgspec."""
+    scores = router.score(prompt, None, model=model, load=load)
     pods = sorted(scores.values(), key=lambda s: (-s.total, s.load, s.pod))
     return msgspec.json.encode({"model": model, "prompt_tokens": len(prompt), "pick": pods[0].pod if pods else None,
                                 "pods": pods})
@@ -41,7 +41,7 @@ def _answer(router: KVRouter, prompt, model: str = "m") -> bytes:
 def test_score_json_writes_what_score_and_msgspec_write(data):
     kw = {"load_weight": data.draw(st.sampled_from([0.0, 0, 0.5, 2])),
           "tier_weights": {"GPU": data.draw(st.sampled_from([1.0, 1, 0.3])), "CPU": data.draw(st.sampled_from([0.5, 2]))},
-          "state_factors": {"SYNCED": data.draw(st.sampled_from([1.0, 0.7]))}}
+          "state_factors": {"SYNCED": data.draw(st.sampled_from([1.0, 1, 0.7]))}}
     routers = [KVRouter(RouterConfig(model="m", index="native", block_size=4, **kw)) for _ in range(2)]
     docs = [data.draw(st.lists(st.integers(0, 50), min_size=4, max_size=40)) for _ in range(3)]
     hashes = [[(d * 1000 + i) * 7919 + 1 for i in range(len(doc) // 4)] for d, doc in enumerate(docs)]
@@ -60,20 +60,33 @@ def test_score_json_writes_what_score_and_msgspec_write(data):
             r.apply(name, KVEventBatch(0.0, [ev], rank))
     prompt = data.draw(st.sampled_from(docs))[: data.draw(st.integers(0, 40))] + data.draw(
         st.lists(st.integers(0, 50), max_size=8))
-    got = routers[0].scorer.score_json(prompt, None, model="m")
-    want = _answer(routers[1], prompt)
+    load = data.draw(st.none() | st.dictionaries(st.sampled_from(PODS + ["other"]), st.one_of(
+        st.floats(-4, 4, allow_nan=False), st.integers(-3, 3), st.sampled_from([0.0, -0.0, 1e-7, 2.5e20])), max_size=4))
+    got = routers[0].scorer.score_json(prompt, None, model="m", load=load)
+    want = _answer(routers[1], prompt, load=load)
     assert got == want
-    assert json.loads(got)["pick"] == routers[1].pick(prompt)
+    assert json.loads(got)["pick"] == routers[1].pick(prompt, load=load)
     s0, s1 = routers[0].stats, routers[1].stats  # routers[1]: score() and pick(), one lookup each
-    routers[0].score(prompt)  # now one score_json and one score(): the same counters
+    routers[0].score(prompt, load=load)  # now one score_json and one score(): the same counters
     assert (s0.lookups, s0.prompt_tokens, s0.matched_tokens) == (s1.lookups, s1.prompt_tokens, s1.matched_tokens)
 
 
-def test_score_json_leaves_what_it_does_not_know_to_the_python_path():
-    r = KVRouter(RouterConfig(model="m", index="native", block_size=4, state_factors={"SYNCED": 1}))  # an int
-    r.apply("a", KVEventBatch(0.0, [BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None)], 0))
-    assert r.scorer.score_json([1, 2, 3, 4], None, model="m") is None
-    assert r.score([1, 2, 3, 4])["a"].factor == 1
+@pytest.mark.parametrize("factor", [1, True, 0.5, 3])
+def test_score_json_writes_any_configured_factor_as_msgspec_does(factor):
+    """A state factor configured as an int (or a bool: RouterConfig takes any number) stays one
+    in the Score: the C answer writes it as msgspec does, with the same totals."""
+    routers = [KVRouter(RouterConfig(model="m", index="native", block_size=4, state_factors={"SYNCED": factor}))
+               for _ in range(2)]
+    for r in routers:
+        r.apply("a", KVEventBatch(0.0, [BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None)], 0))
+        r.apply("b", KVEventBatch(0.0, [BlockStored([2], None, [1, 2, 3, 5], 4, None, "GPU", None)], 0))
+    for prompt in ([1, 2, 3, 4], [1, 2, 3, 4, 9, 9, 9, 9, 9]):
+        assert routers[0].scorer.score_json(prompt, None, model="m") == _answer(routers[1], prompt)
+
+
+def test_score_json_is_the_native_index_capability():
+    """Without the native index (no C table to walk) there is no C answer: None, and the
+    caller encodes score()'s Scores."""
     py = KVRouter(RouterConfig(model="m", index="python", block_size=4))
     assert py.scorer.score_json([1, 2, 3, 4], None, model="m") is None
 

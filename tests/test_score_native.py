@@ -1,10 +1,11 @@
-"""The score's C path (consumers/_fp_score.h) gives the Python path's answers, bit for bit.
+"""The score's C path (consumers/_fp_score_*.h) gives the Python reference's answers, bit for bit.
 
-* ``score_walk`` (hash the token blocks + the staged walk over the native MaskTable, one C
-  call) against ``chain_keys_py`` + :func:`consumers.score.walk` over the same masks, for
+* ``KVRouter.score`` over the ``"native"`` index (``score_pods``: hash the token blocks, the
+  staged walk over the MaskTable, every pod's Score and the pick, one C call) against one with
+  the ``"python"`` index and against ``Scorer.score_py`` (the Python reference) on the same
+  router, fed the same events: the same scores (tiers, totals, matched tokens, ranks), for
   token lists, tuples and int buffers of every accepted width;
-* a whole router with the ``"native"`` index against one with the ``"python"`` index, fed the
-  same events: the same scores (tiers, totals, matched tokens, ranks);
+* the layouts past the walk's stack buffers: over 1,024 endpoint slots and the most tiers;
 * ``json_tokens`` (the API's token_ids reader) against msgspec's typed decoder: the same ints
   where it answers, None (msgspec decides, naming the error) for everything else.
 """
@@ -20,67 +21,104 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from consumers import KVRouter, RouterConfig
-from consumers.keys import _FAST, chain_keys_py, json_tokens
-from consumers.score import walk
+from consumers.keys import _FAST, json_tokens
+from consumers.router_config import MAX_TIERS
 from kvevents import BlockRemoved, BlockStored, KVEventBatch
+from kvevents.errors import ConfigError
 
-pytestmark = pytest.mark.skipif(_FAST is None or not hasattr(_FAST, "score_walk"),
-                                reason="the C extension is not in use")
+pytestmark = pytest.mark.skipif(_FAST is None, reason="the C extension is not in use")
 
 TOKEN = st.integers(0, 2**32 - 1)
 
 
-def _tables(cap: int, tiers: int):
-    bits = cap * tiers
-    return _FAST.MaskTable(bits=max(64, -(-bits // 64) * 64)), {}
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), cap=st.sampled_from([2, 8, 64, 96, 128]), tiers=st.integers(0, 4),
-       bs=st.sampled_from([1, 2, 4, 16]), parent=st.integers(0, 2**60 - 1))
-def test_score_walk_matches_chain_keys_and_walk(data, cap, tiers, bs, parent):
-    base = data.draw(st.lists(TOKEN, min_size=0, max_size=12 * bs))
-    keys = chain_keys_py(base, parent, bs)
-    table, masks = _tables(cap, tiers)
-    # index a random subset of the prompt's keys (and strangers) in random (tier, slot) lanes
-    for k in keys + [data.draw(st.integers(0, 2**60 - 1))]:
-        for _ in range(data.draw(st.integers(0, 3))):
-            if tiers:
-                b = data.draw(st.integers(0, tiers - 1)) * cap + data.draw(st.integers(0, cap - 1))
-                table.set_bit([k], b)
-                masks[k] = masks.get(k, 0) | 1 << b
-    # the prompt: the indexed prefix, cut anywhere, then maybe other tokens
-    cut = data.draw(st.integers(0, len(base)))
-    prompt = base[:cut] + data.draw(st.lists(TOKEN, max_size=3 * bs))
-    lanes = [(t * cap, (1 << cap) - 1) for t in data.draw(st.permutations(range(tiers)))]
-    start = data.draw(st.integers(0, (1 << cap) - 1))
-    pkeys = chain_keys_py(prompt, parent, bs)
-    want = (len(pkeys), *walk(masks.get, pkeys, lanes, start))
-    for toks in (prompt, tuple(prompt), array("I", prompt), array("q", prompt), array("Q", prompt)):
-        assert _FAST.score_walk(table, toks, parent, bs, lanes, start) == want, type(toks)
-
-
-@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40), st.integers(0, 2**60 - 1))
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40), st.integers(0, 40), st.sampled_from([1, 4, 16]))
 @settings(max_examples=100, deadline=None)
-def test_score_walk_signed_buffers_hash_like_python_ints(tokens, parent):
-    table = _FAST.MaskTable(bits=64)
-    keys = chain_keys_py(tokens, parent, 4)
-    table.set_bit(keys, 0)
-    want = (len(keys), *walk({k: 1 for k in keys}.get, keys, [(0, 1)], 1))
-    assert _FAST.score_walk(table, array("q", tokens), parent, 4, [(0, 1)], 1) == want
-    assert _FAST.score_walk(table, tokens, parent, 4, [(0, 1)], 1) == want
+def test_score_hashes_every_buffer_width_like_python_ints(tokens, cut, bs):
+    """The prompt's keys from a list, a tuple or a buffer of 4/8-byte ints (signed or not)
+    are the keys the ingest learned from the same token ids: the same match as score_py's."""
+    r = KVRouter(RouterConfig(model="m", index="native", block_size=bs))
+    r.apply("a", KVEventBatch(0.0, [BlockStored(list(range(1, len(tokens) // bs + 1)), None, tokens[: len(tokens) // bs * bs],
+                                                bs, None, "GPU", None)], 0))
+    prompt = tokens[:cut]
+    want = r.scorer.score_py(prompt)
+    assert want["a"].matched_tokens == len(prompt) // bs * bs
+    kinds = [tuple, lambda t: array("q", t)]
+    if all(t >= 0 for t in prompt):
+        kinds.append(lambda t: array("Q", t))
+        if all(t < 2**32 for t in prompt):
+            kinds += [lambda t: array("I", t), lambda t: memoryview(array("I", t).tobytes()).cast("I")]
+    if all(-(2**31) <= t < 2**31 for t in prompt):
+        kinds.append(lambda t: array("i", t))
+    for kind in [list] + kinds:
+        assert r.score(kind(prompt)) == want, kind
 
 
-def test_score_walk_refuses_what_it_cannot_read():
-    table = _FAST.MaskTable(bits=64)
+def test_score_refuses_what_it_cannot_read():
+    r = KVRouter(RouterConfig(model="m", index="native", block_size=1))
+    r.apply("a", KVEventBatch(0.0, [BlockStored([1], None, [1], 1, None, "GPU", None)], 0))
     with pytest.raises(TypeError, match="tokens"):
-        _FAST.score_walk(table, array("d", [1.0]), 0, 1, [(0, 1)], 1)
-    with pytest.raises(TypeError, match="MaskTable"):
-        _FAST.score_walk({}, [1], 0, 1, [(0, 1)], 1)
-    with pytest.raises(ValueError, match="block_size"):
-        _FAST.score_walk(table, [1], 0, 0, [(0, 1)], 1)
+        r.score(array("d", [1.0]))
     with pytest.raises(TypeError):
-        _FAST.score_walk(table, [1, []], 0, 1, [(0, 1)], 1)  # unhashable, as in chain_keys
+        r.score([1, []])  # unhashable, as in chain_keys
+    with pytest.raises(TypeError):
+        r.scorer.score_py([1, []])
+
+
+def test_the_walk_takes_every_tier_the_config_allows():
+    """MAX_TIERS (RouterConfig.max_tiers' bound, validated at start-up) is the C walk's stage
+    count: no configuration reaches a walk the C path cannot take."""
+    assert _FAST.MAX_STAGES == MAX_TIERS
+    with pytest.raises(ConfigError, match="max_tiers"):
+        RouterConfig(max_tiers=MAX_TIERS + 1)
+
+
+class _NoMatch:
+    """The Index role, with match (the Python walk's) refused."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def match(self, *args):
+        raise AssertionError("the score took the Python walk")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_score_past_the_walks_stack_layout():
+    """Over 1,024 endpoint slots (the slot sets' words on the heap) and MAX_TIERS tiers (masks
+    of 2,048 x 16 bits, far past 64 words): the C path answers every such layout, as the Python
+    reference does."""
+    kw = {"model": "m", "block_size": 2, "max_tiers": MAX_TIERS, "max_pods": 700,
+          "tier_weights": {"GPU": 1.0, "CPU": 0.5, "DISK": 0.25, "T15": 0.1}}
+    routers = [KVRouter(RouterConfig(index="native", **kw)), KVRouter(RouterConfig(index="python", **kw))]
+    doc = list(range(40))
+    hashes = list(range(1, 21))
+    media = ["GPU", "CPU", "DISK"] + [f"T{i}" for i in range(3, MAX_TIERS)]
+    for p in range(600):
+        for rank in (0, 1):
+            n = 1 + (p * 7 + rank) % 20
+            medium = media[(p + rank) % len(media)]
+            evs = [BlockStored(hashes[:n], None, doc[: 2 * n], 2, None, "GPU", None)]
+            if medium != "GPU":
+                evs.append(BlockStored(hashes[: max(1, n // 2)], None, [], 0, None, medium, None))
+                evs.append(BlockRemoved(hashes[: max(1, n // 3)], "GPU"))
+            for r in routers:
+                r.apply(f"pod{p}", KVEventBatch(0.0, evs, rank))
+    native = routers[0]
+    assert native.scorer._accel.cap > 1024
+    role = native.scorer.index
+    for prompt in (doc, doc[:17], doc[:6] + [99] * 10, [5, 6]):
+        want = routers[1].score(prompt)
+        assert native.scorer.score_py(prompt) == want
+        native.scorer.index = _NoMatch(role)  # the C path walks the table, never the role
+        try:
+            assert native.score(prompt) == want
+        finally:
+            native.scorer.index = role
+        assert native.pick(prompt) == routers[1].pick(prompt)
+        got = json.loads(native.scorer.score_json(prompt))
+        assert got["pick"] == routers[1].pick(prompt) and len(got["pods"]) == len(want)
 
 
 def _router(index: str, **kw) -> KVRouter:
@@ -122,6 +160,11 @@ def test_native_and_python_routers_score_alike(data):
         [(s.pod, repr(s.total), repr(s.factor), repr(s.load)) for s in python.values()]  # -0.0, 1 vs 1.0
     assert routers[0].stats.matched_tokens == routers[1].stats.matched_tokens
     assert routers[0].score(array("I", prompt), load=load) == python  # the API's token_ids
+    assert routers[0].scorer.score_py(prompt, load=load) == python  # the reference, on the native router
+    if load:  # any Mapping (not only a dict) takes the same C call
+        from types import MappingProxyType
+
+        assert routers[0].score(prompt, load=MappingProxyType(load)) == python
     assert routers[0].pick(prompt, load=load) == routers[1].pick(prompt, load=load)
 
 

@@ -1,6 +1,6 @@
-/* _fp_score_json.h: the service's hot route in C, bytes in (included by _fp_score_pods.h; the
- * answer, bytes out, is _fp_score_answer.h). Both readers take the ints of a token array with
- * one parser, json_uint_array.
+/* _fp_json_request.h: the service's hot route in C, bytes in (the answer, bytes out, is
+ * _fp_score_answer.h). Both readers take the ints of a token array with one parser,
+ * json_uint_array.
  *
  * json_request(body) -> (model, lora_name, tokens) | None
  *     A /v1/score or /v1/pick body of the common shape, read in one pass: a JSON object whose
