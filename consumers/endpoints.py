@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvevents.topic import parse_topic
 
-from .index import Index
+from .index import SlotLayout
 from .keys import model_seed
 from .learned import LearnedMap
 from .router_config import PodRefused, RouterConfig, RouterInputError, RouterStats
@@ -60,13 +60,16 @@ class Endpoints:
 
     ``touch`` is bumped whenever something a cached ingest context depends on changes (the slot
     layout, the tiers, an endpoint's learned shape); ``gen`` whenever what scoring depends on
-    changes (endpoints, their states)."""
+    changes (endpoints, their states).
 
-    def __init__(self, config: RouterConfig, index: Index, learned: LearnedMap, stats: RouterStats) -> None:
+    ``layout`` is the slot numbering of the index's bit lanes (``cap`` endpoints per tier,
+    ``grow``, ``lane(tier)``): the native backend's C table, else a :class:`~consumers.index.SlotLayout`."""
+
+    def __init__(self, config: RouterConfig, layout: SlotLayout, learned: LearnedMap, stats: RouterStats) -> None:
         self.cfg = config
         self.stats = stats
         self.pinned = {pod: pub for pub, pod in config.publisher_pods.items()}  #: pod -> a publisher pinned to it
-        self.index = index
+        self.layout = layout
         self.learned = learned
         self.by_key: dict[tuple[str, int], Endpoint] = {}
         self.slots: dict[int, Endpoint] = {}
@@ -121,8 +124,8 @@ class Endpoints:
         else:
             slot = self.next_slot
             self.next_slot += 1
-            if slot >= self.index.cap:
-                self.index.grow(self.index.cap * 2)
+            if slot >= self.layout.cap:
+                self.layout.grow(self.layout.cap * 2)
                 self.touch += 1  # every endpoint's bits moved
         lmap = self.learned.for_model(model)
         ep = Endpoint(pod, rank or 0, slot, model, lmap, self.learned.odd[model])
@@ -286,13 +289,13 @@ class Endpoints:
     def plan(self, model: str) -> tuple:
         """``(stages, lanes, start, eps)`` for ``model``: cached until endpoints, their states,
         the tiers or the slot layout change."""
-        index = self.index
-        ck = (model, self.gen, len(self.tiers), index.cap)
+        layout = self.layout
+        ck = (model, self.gen, len(self.tiers), layout.cap)
         cached = self._plan
         if cached[0] == ck:
             return cached[1]
         stages = self.stages()
-        lanes = [index.lane(t) for t, _, _ in stages]
+        lanes = [layout.lane(t) for t, _, _ in stages]
         start = 0
         eps = []
         for ep in self.by_key.values():

@@ -1,9 +1,10 @@
-"""Driving a router from an event source: deliveries (BATCH / RESET / GAP), health polling."""
+"""Driving a router from an event source: deliveries (BATCH / RESET / GAP), health polling, and
+the one loop over a source (:func:`run`: ``KVRouter.run`` and the router service's ingest thread)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from kvevents.errors import DecodeError
@@ -34,8 +35,8 @@ class KVRouter(Protocol):
     def refresh_health(self, source: object) -> None: ...
 
 
-__all__ = ["APPLIED", "BAD", "EMPTY", "Feed", "MALFORMED", "OUTCOMES", "REFUSED", "UNKNOWN", "handle",
-           "refresh_health", "run"]
+__all__ = ["APPLIED", "BAD", "EMPTY", "Feed", "MALFORMED", "OUTCOMES", "PACE_BELOW", "POLL_MS", "REFUSED",
+           "UNKNOWN", "handle", "refresh_health", "run"]
 
 #: what :func:`handle` did with one delivery (each one not APPLIED is also counted in the router's
 #: stats, under the name given): the caller acts on the one it got, never on a counter's difference
@@ -115,30 +116,78 @@ def refresh_health(router: KVRouter, source: object) -> None:
         router.set_health(pod, getattr(state, "value", str(state)))
 
 
-def run(router: KVRouter, source: Iterable, *, stop: object = None, health_interval: float = 1.0) -> int:
-    """See :meth:`KVRouter.run`."""
-    n = 0
-    is_set = getattr(stop, "is_set", None)
-    router.refresh_health(source)
-    poll = getattr(source, "poll", None)
-    if callable(poll):
-        next_health = time.monotonic() + health_interval
-        while (is_set is None or not is_set()) and not getattr(source, "ended", False):  # a recording ends
-            for delivery in poll(100):
-                router.handle(delivery)
-                n += 1
-            if time.monotonic() >= next_health:
-                router.refresh_health(source)
-                next_health = time.monotonic() + health_interval
-        router.refresh_health(source)
-        return n
-    every = router.config.health_every
-    for delivery in source:
-        router.handle(delivery)
-        n += 1
-        if n % every == 0:
+#: the longest one poll of a live source waits (ms): ``stop`` is seen, and a health round is due,
+#: within this long of the moment
+POLL_MS = 50
+#: a poll that brought fewer deliveries than this is a trickle (paced, see :func:`run`'s ``pace``);
+#: more is a backlog, drained without pause
+PACE_BELOW = 16
+
+
+def run(router: KVRouter, source: Iterable, *, stop: object = None, health_interval: float = 1.0,
+        take: Callable[[object], object] | None = None, health_round: Callable[[], object] | None = None,
+        pace: float = 0.0, on_error: Callable[[Exception], object] | None = None) -> int:
+    """Feed ``router`` every delivery ``source`` brings until it ends (a recording) or
+    ``stop.is_set()``; returns how many. The one loop for every consumer of a source.
+
+    A live source (``poll(timeout_ms)``) is polled at most :data:`POLL_MS` at a time, with a
+    health round after the first poll, then every ``health_interval`` seconds, and one when the
+    run ends; a plain iterable is consumed as is, with a health round every
+    ``RouterConfig.health_every`` deliveries and one at the end.
+
+    ``take(delivery)`` is what is done with each delivery (default: ``router.handle``; a service
+    passes its own step, which ends in ``router.handle``); ``health_round()`` what a health round
+    does (default: ``router.refresh_health(source)``). ``pace`` (seconds, live source): while
+    deliveries trickle in (a poll brought fewer than :data:`PACE_BELOW`), poll at most once per
+    ``pace``, so a few more queue before the next poll; a backlog, an empty poll or a health round
+    is never followed by a pause. ``on_error(exc)``: an exception a round raised (a poll, a
+    delivery, a health round) is handed to it and the loop goes on; without it the exception
+    ends the run."""
+    take = router.handle if take is None else take
+    if on_error is None:
+        def on_error(exc: Exception) -> None:
+            raise exc
+    if health_round is None:
+        def health_round() -> None:
             router.refresh_health(source)
-        if is_set is not None and is_set():
-            break
-    router.refresh_health(source)
+    is_set = getattr(stop, "is_set", None)
+    poll = getattr(source, "poll", None)
+    n = 0
+    if callable(poll):
+        clock, sleep = time.monotonic, time.sleep
+        next_health = 0.0  # (the first round: right after the first poll)
+        while (is_set is None or not is_set()) and not getattr(source, "ended", False):  # a recording ends
+            try:
+                t0 = clock()
+                got = poll(POLL_MS)
+                n += len(got)
+                for delivery in got:
+                    take(delivery)
+                now = clock()
+                if now >= next_health:
+                    next_health = now + health_interval
+                    health_round()
+                elif pace and got and len(got) < PACE_BELOW:
+                    rest = t0 + pace - now
+                    if rest > 0:
+                        sleep(rest)
+            except Exception as exc:
+                on_error(exc)
+    else:
+        every = router.config.health_every
+        health_round()
+        for delivery in source:
+            n += 1
+            try:
+                take(delivery)
+                if n % every == 0:
+                    health_round()
+            except Exception as exc:
+                on_error(exc)
+            if is_set is not None and is_set():
+                break
+    try:
+        health_round()
+    except Exception as exc:
+        on_error(exc)
     return n

@@ -182,9 +182,10 @@ class KVRouter:
         """Apply every delivery ``source`` yields until it ends (or ``stop.is_set()``).
 
         A live source (anything with ``poll(timeout_ms)``) is polled, so ``stop`` is seen within
-        0.1 s and ``health()`` is read every ``health_interval`` seconds even while a pod is
-        silent (that is how a STALE pod gets excluded); a plain iterable is consumed as is, with
-        ``health()`` read every ``health_every`` deliveries. Returns the count.
+        0.05 s (:data:`consumers.feed.POLL_MS`) and ``health()`` is read every ``health_interval``
+        seconds even while a pod is silent (that is how a STALE pod gets excluded); a plain
+        iterable is consumed as is, with ``health()`` read every ``health_every`` deliveries.
+        Returns the count. (The loop is :func:`consumers.feed.run`, the service's too.)
         """
         return feed.run(self, source, stop=stop, health_interval=health_interval)
 

@@ -1,11 +1,13 @@
 """The service's ingest side: an event source feeding a KVRouter on a thread of its own.
 
-Threads: the ingest thread is the only one that polls the subscriber and feeds the router;
-every router call (``handle``, ``refresh_health``, ``score``/``pick``/``explain``,
-``counters``) happens under :attr:`Fleet.lock`, held for one delivery on the ingest side and
-for one answer on the API side, so a query sees the index between two batches, never inside
-one. The pod table (:meth:`Fleet.pods_view`) and readiness are rebuilt by the ingest thread
-from subscriber health and read by the API as one immutable snapshot (an attribute swap).
+Threads: the ingest thread is the only one that polls the subscriber and feeds the router (the
+loop every consumer of a source runs, :func:`consumers.feed.run`, given this fleet's step per
+delivery, :meth:`Fleet.take`, and health round, :meth:`Fleet._health_round`); every router
+call (``handle``, ``refresh_health``, ``score``/``pick``/``explain``, ``counters``) happens
+under :attr:`Fleet.lock`, held for one delivery on the ingest side and for one answer on the
+API side, so a query sees the index between two batches, never inside one. The pod table
+(:meth:`Fleet.pods_view`) and readiness are rebuilt by the ingest thread from subscriber health
+and read by the API as one immutable snapshot (an attribute swap).
 
 The source is whatever :func:`kvevents.open_source` builds from the configuration
 (:meth:`ServiceConfig.event_source`: ZeroMQ connect or bind mode, or the JetStream event plane).
@@ -27,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from consumers import KVRouter, PodRefused, pod_from_topic
+from consumers import KVRouter, PodRefused, feed, pod_from_topic
 from consumers.feed import BAD
 from kvevents import open_source, peek_ts
 from kvevents.errors import DecodeError
@@ -37,11 +39,6 @@ from .config import ServiceConfig
 __all__ = ["Fleet", "PodStatus", "Unattributed"]
 
 log = logging.getLogger("kvservice")
-
-#: a poll that brought fewer deliveries than this is a trickle (paced, see ``poll_interval``); more
-#: is a backlog, drained without pause
-PACE_BELOW = 16
-
 
 class _Snapshot:
     """One health() result, handed to ``KVRouter.refresh_health`` as its source."""
@@ -112,9 +109,8 @@ class Fleet:
         self.lock = threading.Lock()
         self.health_interval = health_interval
         #: the ingest thread polls at most once per this many seconds while batches trickle in
-        #: (``subscriber.poll_interval``); a backlog is drained without pause
+        #: (``subscriber.poll_interval``; the feed's ``pace``); a backlog is drained without pause
         self.poll_interval = cfg.subscriber.poll_interval
-        self.paced = 0  #: polls followed by a pause (a trickle)
         #: publisher identity -> (pod, model): what the router was told (configured ones at start)
         self._attr = self.router.endpoints.attributed
         self.models: set[str] = cfg.models()
@@ -146,7 +142,7 @@ class Fleet:
 
     # ---- the thread ----------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="kvservice-ingest", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="kvservice-ingest", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 1.0) -> None:
@@ -155,34 +151,18 @@ class Fleet:
             self._thread.join(timeout)
         self.sub.close()
 
-    def _loop(self) -> None:
-        next_health = 0.0
-        poll = self.sub.poll
-        take = self.take
-        pace = self.poll_interval
-        clock = time.monotonic
-        while not self._stop.is_set():
-            try:
-                t0 = clock()
-                got = poll(50)
-                for d in got:
-                    take(d)
-                now = clock()
-                if now >= next_health:
-                    next_health = now + self.health_interval
-                    self._health_round()
-                elif got and len(got) < PACE_BELOW:
-                    # a trickle, not a backlog: let a few more batches queue before the next poll
-                    # (one poll costs ~0.2 ms of CPU over 64 pods' sockets, and each wake-up is a
-                    # GIL hand-over that the API's loop pays for too)
-                    rest = t0 + pace - now
-                    if rest > 0:
-                        self.paced += 1
-                        time.sleep(rest)
-            except Exception:  # noqa: BLE001 — a long-running loop counts, logs and goes on
-                self.ingest_errors += 1
-                if self.ingest_errors == 1 or self.ingest_errors % 1000 == 0:
-                    log.exception("ingest loop error #%d (counted; the loop goes on)", self.ingest_errors)
+    def run(self) -> None:
+        """The ingest thread: the feed's loop (:func:`consumers.feed.run`) over the source, each
+        delivery through :meth:`take`, a health round (:meth:`_health_round`) every
+        ``health_interval``, a trickle paced by ``poll_interval``, and an exception counted,
+        logged and gone past (``ingest_errors``)."""
+        feed.run(self.router, self.sub, stop=self._stop, health_interval=self.health_interval, take=self.take,
+                 health_round=self._health_round, pace=self.poll_interval, on_error=self._ingest_error)
+
+    def _ingest_error(self, exc: Exception) -> None:
+        self.ingest_errors += 1
+        if self.ingest_errors == 1 or self.ingest_errors % 1000 == 0:
+            log.error("ingest loop error #%d (counted; the loop goes on)", self.ingest_errors, exc_info=exc)
 
     def _health_round(self) -> None:
         """Subscriber health into the router and the pod table: one ``health()`` snapshot (a copy

@@ -184,3 +184,46 @@ def test_run_reads_health_while_a_pod_is_silent() -> None:
     sub = FakeSub()
     assert router.run(sub, stop=stop, health_interval=0.0) == 1
     assert sub.polls < 10_000, "the STALE pod was never excluded"
+
+
+def test_feed_run_hooks_step_health_round_pace_and_errors(monkeypatch) -> None:
+    """The one loop a service runs too: its own step per delivery and health round, a paced
+    trickle, and an exception handed to ``on_error`` (the loop goes on) or, without it, raised."""
+    import types
+
+    from consumers import feed
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(feed, "time", types.SimpleNamespace(monotonic=lambda: 100.0, sleep=sleeps.append))
+    events: list = []
+
+    class Polled:  # polls of these many deliveries, then it ends
+        def __init__(self, script) -> None:
+            self.script, self.ended = list(script), False
+
+        def poll(self, timeout_ms: int):
+            assert timeout_ms == feed.POLL_MS
+            n = self.script.pop(0)
+            self.ended = not self.script
+            return [d_batch("p", "", i, batch()) for i in range(n)]
+
+    def take(d) -> None:
+        if d.seq == 1 and 1 not in events:
+            events.append(1)
+            raise RuntimeError("one bad step")
+        events.append(d.seq)
+
+    r = KVRouter(model="m")
+    errors: list = []
+    n = feed.run(r, Polled([3, feed.PACE_BELOW, 2, 0]), health_interval=60.0, take=take,
+                 health_round=lambda: events.append("health"), pace=0.004, on_error=errors.append)
+    assert n == 3 + feed.PACE_BELOW + 2
+    # the 1st poll's round ended where its step raised (seq 1: seq 2 not taken, no health round);
+    # the health round after the 2nd poll, none until the end; one pause: after the trickle of 2
+    # (not after the backlog, the health round or the empty poll)
+    assert events == [0, 1] + list(range(feed.PACE_BELOW)) + ["health", 0, 1, "health"]
+    assert [str(e) for e in errors] == ["one bad step"] and sleeps == [pytest.approx(0.004)]
+    assert r.pods() == [], "the router was fed only through the step given"
+    events.clear()
+    with pytest.raises(RuntimeError, match="one bad step"):
+        feed.run(r, Polled([2]), take=take)

@@ -1,6 +1,7 @@
-"""The ingest thread's loop: a trickle of batches is paced (one poll per ``poll_interval``), a
-backlog drains without pause, and a health round takes one ``health()`` snapshot, outside the
-lock, for both the router and the pod table."""
+"""The ingest thread's loop (the feed's, ``consumers.feed.run``, given the fleet's step and health
+round): a trickle of batches is paced (one poll per ``poll_interval``), a backlog drains without
+pause, each health round takes one ``health()`` snapshot, outside the lock, for both the router
+and the pod table, and an exception is counted and gone past."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import types
 
 import pytest
 
+from consumers import feed
 from kvevents import Delivery, DeliveryKind
 from kvevents.errors import ConfigError
 from kvservice import ingest
@@ -53,12 +55,13 @@ def _run(monkeypatch, fleet, sub):
     sleeps: list[float] = []
     fake_time = types.SimpleNamespace(monotonic=lambda: 100.0, time=lambda: 1000.0, sleep=sleeps.append)
     monkeypatch.setattr(ingest, "time", fake_time)
+    monkeypatch.setattr(feed, "time", fake_time)
     taken: list[int] = []
     monkeypatch.setattr(fleet, "take", lambda d: taken.append(d.seq))
     real = fleet.sub
     fleet.sub = sub
     try:
-        fleet._loop()
+        fleet.run()
     finally:
         fleet.sub = real
     return sleeps, taken
@@ -68,11 +71,10 @@ def test_a_trickle_is_paced_and_a_backlog_is_not(tmp_path, monkeypatch) -> None:
     fleet = _fleet(tmp_path, poll_interval=0.004)
     try:
         # 1st poll: the health round (not paced); then a backlog, a trickle, an empty poll
-        sub = _ScriptedSub(fleet, [1, ingest.PACE_BELOW + 4, 2, 0])
+        sub = _ScriptedSub(fleet, [1, feed.PACE_BELOW + 4, 2, 0])
         sleeps, taken = _run(monkeypatch, fleet, sub)
-        assert len(taken) == 1 + ingest.PACE_BELOW + 4 + 2  # everything polled was taken
+        assert len(taken) == 1 + feed.PACE_BELOW + 4 + 2  # everything polled was taken
         assert sleeps == [pytest.approx(0.004)], "one pause, after the trickle; none after the backlog or an empty poll"
-        assert fleet.paced == 1
     finally:
         fleet.stop()
 
@@ -81,7 +83,7 @@ def test_poll_interval_zero_never_pauses(tmp_path, monkeypatch) -> None:
     fleet = _fleet(tmp_path, poll_interval=0)
     try:
         sleeps, taken = _run(monkeypatch, fleet, _ScriptedSub(fleet, [1, 1, 2, 1]))
-        assert sleeps == [] and fleet.paced == 0 and len(taken) == 5
+        assert sleeps == [] and len(taken) == 5
     finally:
         fleet.stop()
 
@@ -101,8 +103,9 @@ def test_a_health_round_takes_one_snapshot_outside_the_lock(tmp_path, monkeypatc
         monkeypatch.setattr(fleet.router, "refresh_health", spy)
         sub = _ScriptedSub(fleet, [], health=real_health)
         _run(monkeypatch, fleet, sub)
-        assert sub.health_calls == 1, "one health() per round, for the router and the pod table"
-        assert seen == [real_health] and seen[0] is real_health
+        # a round after the first poll, one as the loop ends: one health() each, for both
+        assert sub.health_calls == len(seen) == 2, "one health() per round, for the router and the pod table"
+        assert all(s is real_health for s in seen)
         assert fleet.pods["a"].state == "CONNECTING"  # the pod table was rebuilt from the same snapshot
     finally:
         fleet.stop()
@@ -112,3 +115,28 @@ def test_a_health_round_takes_one_snapshot_outside_the_lock(tmp_path, monkeypatc
 def test_poll_interval_is_validated(tmp_path, bad) -> None:
     with pytest.raises(ConfigError, match="subscriber.poll_interval"):
         _fleet(tmp_path, poll_interval=bad)
+
+
+def test_an_exception_in_a_round_is_counted_and_the_loop_goes_on(tmp_path, monkeypatch) -> None:
+    fleet = _fleet(tmp_path, poll_interval=0)
+    try:
+        sub = _ScriptedSub(fleet, [2, 1])
+        taken: list[int] = []
+
+        def take(d) -> None:
+            if not taken:
+                taken.append(-1)
+                raise RuntimeError("a bug in one delivery")
+            taken.append(d.seq)
+
+        monkeypatch.setattr(fleet, "take", take)
+        real, fleet.sub = fleet.sub, sub
+        try:
+            fleet.run()
+        finally:
+            fleet.sub = real
+        # the 1st poll's round ended at the exception (its 2nd delivery not taken); the next poll went on
+        assert fleet.ingest_errors == 1 and taken == [-1, 0]
+        assert sub.polls == 3 and fleet.pods_view()["ingest_errors"] == 1
+    finally:
+        fleet.stop()
