@@ -150,6 +150,18 @@ class TracedScorer:
                 return p._traced_score(self.inner.score, args, kw)
         return self.inner.score(*args, **kw)
 
+    def score_json(self, *args, **kw):
+        """The inner scorer's JSON answer, counted as a call; None for a call to be traced or
+        where the inner scorer has no C answer (the caller then scores with :meth:`score`,
+        which counts the call and records its span if sampled)."""
+        p = self.probe
+        if p.tracer is not None and p.score_calls % p.every == 0:
+            return None
+        out = self.inner.score_json(*args, **kw)
+        if out is not None and p.tracer is not None:
+            p.score_calls += 1
+        return out
+
     def pick(self, *args, **kw):
         top = best(self.score(*args, **kw))
         return None if top is None else top.pod

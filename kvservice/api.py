@@ -159,13 +159,12 @@ class Api:
     # ---- routes ----------------------------------------------------------------------------
     def _score_answer(self, req: ScoreRequest, model: str, tokens) -> bytes:
         """The /v1/score answer, both routes': written in C by ``Scorer.score_json`` over the
-        native index; else (another index backend, or a traced scorer, whose spans need the
-        Scores) ``score()``'s Scores sorted and encoded by msgspec, the reference it is tested
-        against."""
+        native index; else (another index backend, or a call the tracer samples, whose span
+        needs the Scores) ``score()``'s Scores sorted and encoded by msgspec, the reference it
+        is tested against."""
         router = self.fleet.router
-        score_json = getattr(router.scorer, "score_json", None)  # absent on a traced scorer
         with self.fleet.lock:
-            out = None if score_json is None else score_json(tokens, req.lora_name, model=model, load=req.load)
+            out = router.scorer.score_json(tokens, req.lora_name, model=model, load=req.load)
             if out is not None:
                 return out
             scores = router.score(tokens, req.lora_name, model=model, load=req.load)

@@ -156,6 +156,27 @@ def test_score_spans_one_call_in_n():
     assert len(tp.spans("kvevents.router.score")) == 3  # calls 0, 3, 6
 
 
+def test_the_services_json_answer_is_sampled_like_score():
+    """/v1/score's C answer through a traced scorer: the sampled call comes back None (the
+    service then scores with ``score()``, which records the span); the others are the inner
+    scorer's bytes, and every call advances the sampling counter."""
+    router = KVRouter()
+    router.handle(Delivery(DeliveryKind.BATCH, "pod0", TOPIC, 0, batch(0), time.time()))
+    tp = CountingProvider()
+    instrument_router(router, tracer_provider=tp, sample_every=3)
+    answers = []
+    for _ in range(6):
+        out = router.scorer.score_json(list(range(16)))
+        if out is None:
+            router.score(list(range(16)))
+        answers.append(out)
+    if router.scorer.inner.score_json(list(range(16))) is None:  # no C table (pure Python)
+        assert answers == [None] * 6
+    else:
+        assert [a is None for a in answers] == [True, False, False, True, False, False]
+    assert len(tp.spans("kvevents.router.score")) == 2  # calls 0 and 3
+
+
 def test_rare_events_are_always_traced():
     ep, rep = ipc_pair()
     drop: set[int] = set()
