@@ -124,8 +124,15 @@ class SecondaryTierManager(ABC):
 
     def holds(self, key: OffloadKey) -> bool:
         """Whether the tier holds ``key`` as far as it knows now, without starting any
-        lookup work (the tiering manager asks this before storing a block into the tier)."""
-        return self.lookup(key, None) is LookupResult.HIT
+        lookup work (the tiering manager asks this before storing a block into the tier).
+
+        By default the tier does not know (False: the block is stored, as vLLM's tiering
+        manager stores every block into every tier). ``lookup`` is not a substitute: it
+        belongs to a request, and an asynchronous tier's answer to it may be cached for that
+        request (vllm-kvblockd caches it until the request finishes); asked with no request,
+        it would cache an answer that no request's end ever clears: a MISS taken before the
+        tier's store landed would hide the block from every later lookup."""
+        return False
 
     def store_backlog(self) -> int:
         """Blocks of store jobs submitted and not yet finished (0 for synchronous tiers)."""
