@@ -190,7 +190,7 @@ class CPUOffloadingManager(OffloadingManager):
                 free.append(b)
             self.evictions += len(evicted)
             if self.enable_events:
-                self._events.append(OffloadingEvent(evicted_keys, self.medium, True))
+                self._events.append(self.event_factory(evicted_keys, self.medium, True))
         ref = self._ref
         insert = self.policy.insert
         ids = free[-n:]
@@ -213,7 +213,7 @@ class CPUOffloadingManager(OffloadingManager):
                     stored.append(key)
             self.stores_completed += len(stored)
             if stored and self.enable_events:
-                self._events.append(OffloadingEvent(stored, self.medium, False))
+                self._events.append(self.event_factory(stored, self.medium, False))
         else:
             remove, free = self.policy.remove, self._free
             for key in keys:
@@ -243,7 +243,7 @@ class CPUOffloadingManager(OffloadingManager):
             for k in dropped:
                 free.append(remove(k))  # type: ignore[arg-type]
         if dropped and self.enable_events:
-            self._events.append(OffloadingEvent(dropped, self.medium, True))
+            self._events.append(self.event_factory(dropped, self.medium, True))
         for seen in self._req_keys.values():
             seen.clear()
 

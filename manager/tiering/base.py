@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,9 @@ class SecondaryTierManager(ABC):
 
     #: the medium named in this tier's events.
     medium: str = "STORAGE"
+    #: what :meth:`_emit` builds each event with, called ``(keys, medium, removed)`` (see
+    #: :attr:`manager.base.OffloadingManager.event_factory`)
+    event_factory: Callable[[list[OffloadKey], str, bool], Any] = OffloadingEvent
 
     def __init__(
         self,
@@ -170,4 +173,4 @@ class SecondaryTierManager(ABC):
         so the order of events is the order of changes."""
         if keys and self.enable_events:
             with self._events_lock:
-                self._events.append(OffloadingEvent(keys, self.medium, removed))
+                self._events.append(self.event_factory(keys, self.medium, removed))
