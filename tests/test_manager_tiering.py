@@ -418,3 +418,39 @@ def test_a_tier_with_cached_async_lookups_serves_what_was_stored_into_it() -> No
     assert m.promotions_started == 1
     spec = m.prepare_load([K(0)], ctx)
     assert io.read_block(int(spec.block_ids[0])).tobytes() == bytes([1]) * 16
+
+
+class _PartialLoadTier(ExampleSecondaryTierManager):
+    """Loads only the keys in ``loadable``; a job with others fails naming what it loaded."""
+
+    def __init__(self, loadable: set[bytes]) -> None:
+        super().__init__("partial")
+        self.loadable = loadable
+
+    def submit_load(self, job: JobMetadata) -> None:
+        done = tuple(k for k in job.keys if k in self.loadable)
+        if len(done) == len(job.keys):
+            super().submit_load(job)
+        else:
+            self._finished.append(JobResult(job.job_id, False, done or None))
+
+
+@pytest.mark.parametrize(("loadable", "kept"), [({0, 2}, [0, 2]), (set(), []), ({0, 1, 2}, [0, 1, 2])])
+def test_a_partly_failed_promotion_keeps_the_blocks_that_were_loaded(loadable: set[int], kept: list[int]) -> None:
+    """vLLM's JobResult.successful_keys: a failed load job's keys that were loaded stay in the
+    primary (HITs); the others are freed (MISS)."""
+    tier = _PartialLoadTier({K(i) for i in loadable})
+    other = ExampleSecondaryTierManager("other")
+    m = TieringOffloadingManager(CPUOffloadingManager(4), [tier, other])
+    for i in range(3):
+        tier.store[K(i)] = None
+    ctx = ReqContext("a")
+    assert [m.lookup(K(i), ctx) for i in range(3)] == [LookupResult.RETRY] * 3  # promotions queued
+    m.on_schedule_end()  # one load job of 3 keys
+    m.on_schedule_end()  # its result
+    assert [i for i in range(3) if m.primary.lookup(K(i), ctx) is LookupResult.HIT] == kept
+    assert [i for i in range(3) if m.primary.lookup(K(i), ctx) is LookupResult.MISS] == [
+        i for i in range(3) if i not in kept]
+    assert sorted(other.store) == [K(i) for i in kept]  # what was kept cascades to the other tier
+    s = m.stats()
+    assert (s["promotions_failed"], s["promotions_partial"]) == (int(len(kept) < 3), int(0 < len(kept) < 3))

@@ -46,7 +46,11 @@ class JobMetadata:
 @dataclass(slots=True, frozen=True)
 class JobResult:
     job_id: int
+    #: True: every key of the job succeeded; False: all or some failed.
     success: bool
+    #: a failed load job's keys that were loaded all the same (they are kept in the primary);
+    #: None: every key shares ``success``. Ignored for store jobs and successful results.
+    successful_keys: tuple[OffloadKey, ...] | None = None
 
 
 class SecondaryTierManager(ABC):
