@@ -13,7 +13,11 @@ model of ``tests/vllm/engine.py``) started twice, without offloading and with
 cannot be the comparison); the same requests each time; vLLM's own histograms give the mean
 time per output token after the first (a decode step) and to the first token.
 
-    /work/vllmcpu/bin/python benchmarks/vllm_adapter.py [--rounds 15] [--engine]
+Part 3 (``--instr``, needs valgrind): the same call sequence counted under callgrind: instructions
+per call of each kind, direct and through the adapter (deterministic: the figure to compare
+across changes on a shared machine, where the wall-clock medians move with the load).
+
+    /work/vllmcpu/bin/python benchmarks/vllm_adapter.py [--rounds 15] [--engine] [--instr]
 """
 
 from __future__ import annotations
@@ -77,7 +81,46 @@ def drive(m, make_ctx, requests: list[list[bytes]], out: dict[str, list[float]])
         out[k].append(t[k] / n[k])
 
 
-def bench_calls(rounds: int) -> None:
+def drive_counted(m, make_ctx, requests: list[list[bytes]], region, name: str) -> None:
+    """:func:`drive`'s call sequence with a callgrind region around each kind's calls (one dump
+    per region, labelled ``name|kind|n``; an ``empty`` region measures the marks' own cost)."""
+    start, stop = region.start, region.stop
+    for n, keys in enumerate(requests):
+        ctx = make_ctx()
+        region.label = f"{name}|empty|{n}"
+        start()
+        stop()
+        region.label = f"{name}|request|{n}"
+        start()
+        m.on_new_request(ctx)
+        stop()
+        region.label = f"{name}|lookup|{n}"
+        start()
+        for k in keys:
+            m.lookup(k, ctx)
+        stop()
+        region.label = f"{name}|store|{n}"
+        start()
+        m.prepare_store(keys, ctx)
+        m.complete_store(keys, ctx)
+        stop()
+        region.label = f"{name}|load|{n}"
+        start()
+        m.prepare_load(keys, ctx)
+        m.complete_load(keys, ctx)
+        stop()
+        region.label = f"{name}|finish|{n}"
+        start()
+        m.on_request_finished(ctx)
+        stop()
+        region.label = f"{name}|step|{n}"
+        start()
+        m.on_schedule_end(None)
+        m.take_events()
+        stop()
+
+
+def _pair():
     from vllm.v1.kv_offload.base import ReqContext as VReqContext
 
     from kvevents_vllm.manager_adapter import KVEventsManagerAdapter
@@ -85,14 +128,65 @@ def bench_calls(rounds: int) -> None:
     from manager.cpu import CPUOffloadingManager
 
     capacity = 4 * BLOCKS * REQUESTS
-    direct, adapted = CPUOffloadingManager(capacity, "lru", True), KVEventsManagerAdapter(
-        CPUOffloadingManager(capacity, "lru", True))
-    res = {"direct": {k: [] for k in KINDS}, "adapter": {k: [] for k in KINDS}}
     ids = iter(range(10**9))
+    return (("direct", CPUOffloadingManager(capacity, "lru", True), lambda: ReqContext(f"r{next(ids)}")),
+            ("adapter", KVEventsManagerAdapter(CPUOffloadingManager(capacity, "lru", True)),
+             lambda: VReqContext(req_id=f"r{next(ids)}")))
+
+
+def instr_child(requests: int) -> None:
+    import os
+
+    from benchmarks._callgrind import Region
+
+    region = Region(os.environ["KV_CALLGRIND_LIB"])
+    pair = _pair()
+    for rnd in range(6):  # past the first evictions, uninstrumented (--instr-atstart=no)
+        for _, m, make in pair:
+            drive(m, make, [_keys(rnd * REQUESTS + r, BLOCKS) for r in range(REQUESTS)], {k: [] for k in KINDS})
+    region.instrument()
+    reqs = [_keys(10**6 + r, BLOCKS) for r in range(requests)]
+    for name, m, make in pair:
+        drive_counted(m, make, reqs, region, name)
+
+
+def bench_instr(requests: int) -> None:
+    import os
+
+    from benchmarks._callgrind import check_tools, new_out_dir, read_dumps, run_child
+
+    check_tools()
+    out = new_out_dir("kvbench-vllm-adapter-")
+    rc, tail = run_child(["--instr-atstart=no", sys.executable, __file__, "--instr-child", str(requests)], out,
+                         dict(os.environ, PYTHONPATH=str(ROOT)), timeout=1800)
+    if rc != 0:
+        sys.exit(f"the callgrind child failed (rc {rc}): {tail}")
+    total = {}
+    for label, ir in read_dumps(out).items():
+        name, kind, _ = label.split("|")
+        total[name, kind] = total.get((name, kind), 0) + ir
+    print(f"adapter overhead: instructions per call (callgrind, all threads, mean of {requests} requests x {BLOCKS} "
+          "blocks after 6 warm-up rounds; the marks' own cost taken off)")
+    print(f"{'call':<34}{'direct':>11}{'adapter':>12}{'overhead':>10}")
+    label = {"lookup": "lookup (per key)", "store": "prepare_store+complete_store", "load": "prepare_load+complete_load",
+             "request": "on_new_request", "finish": "on_request_finished", "step": "on_schedule_end+take_events"}
+    whole = {"direct": 0, "adapter": 0}
+    for k, text in label.items():
+        d, a = ((total[n, k] - total[n, "empty"]) / requests for n in ("direct", "adapter"))
+        whole["direct"] += d
+        whole["adapter"] += a
+        per = BLOCKS if k == "lookup" else 1
+        print(f"{text:<34}{d / per:>11.0f}{a / per:>12.0f}{(a / d - 1) * 100:>9.1f}%")
+    d, a = whole["direct"], whole["adapter"]
+    print(f"{'a whole request (all of the above)':<34}{d:>11.0f}{a:>12.0f}{(a / d - 1) * 100:>9.1f}%")
+
+
+def bench_calls(rounds: int) -> None:
+    direct, adapted = _pair()
+    res = {"direct": {k: [] for k in KINDS}, "adapter": {k: [] for k in KINDS}}
     for rnd in range(rounds):
         reqs = [_keys(rnd * REQUESTS + r, BLOCKS) for r in range(REQUESTS)]
-        for name, m, make in (("direct", direct, lambda: ReqContext(f"r{next(ids)}")),
-                              ("adapter", adapted, lambda: VReqContext(req_id=f"r{next(ids)}")))[::1 if rnd % 2 else -1]:
+        for name, m, make in (direct, adapted)[::1 if rnd % 2 else -1]:
             gc.collect()
             gc.disable()  # a collection inside a round times the collector, not the calls
             try:
@@ -155,8 +249,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--engine", action="store_true", help="also time a real CPU engine with and without our spec")
+    ap.add_argument("--instr", type=int, nargs="?", const=50, metavar="REQUESTS",
+                    help="also count instructions under callgrind (default 50 requests)")
+    ap.add_argument("--instr-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.instr_child:
+        instr_child(args.instr_child)
+        return
     bench_calls(args.rounds)
+    if args.instr:
+        bench_instr(args.instr)
     if args.engine:
         bench_engine()
 

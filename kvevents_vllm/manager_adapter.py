@@ -9,9 +9,11 @@ What changes at the boundary, and nothing else (our manager's behaviour is untou
   ``HIT_PENDING``, any other ``RETRY`` stays ``RETRY``);
 - load/store specs: our ``LoadStoreSpec`` (medium + int64 ids) -> vLLM's ``CPULoadStoreSpec``
   (over the same int64 ids);
-- events: our ``OffloadingEvent(keys, medium: str, removed)`` -> vLLM's, with ``Medium`` (CPU for
-  the primary tier, STORAGE for a secondary tier), ``Locality.LOCAL`` and ``ownership`` (None for
-  the primary tier, the tier's type for a secondary tier);
+- events: vLLM's ``OffloadingEvent``, with ``Medium`` (CPU for the primary tier, STORAGE for a
+  secondary tier), ``Locality.LOCAL`` and ``ownership`` (None for the primary tier, the tier's
+  type for a secondary tier), built where our manager and tiers make theirs: the adapter sets
+  each one's ``event_factory`` to a constructor for its medium (an event of ours that still
+  arrives, from a manager or tier that makes its own, is converted in ``take_events``);
 - ``get_load_source``: HOST for a block the CPU tier held, DISK for one promoted from a
   secondary tier (the tiering manager says which keys it promotes);
 - ``on_schedule_end(context)``: vLLM's ``ScheduleEndContext`` passed on (ours accepts and
@@ -43,9 +45,20 @@ from manager.tiering import TieringOffloadingManager
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 _LOCAL = Locality.LOCAL
 _V_HIT, _V_MISS, _V_PENDING, _V_RETRY = VLookup.HIT, VLookup.MISS, VLookup.HIT_PENDING, VLookup.RETRY
+_REQUEST_LEVEL = OffloadPolicy.REQUEST_LEVEL
 #: one vLLM request context per policy, shared: vLLM's connector only reads its ``policy``
-_CONTEXTS = {OffloadPolicy.BLOCK_LEVEL: VRequestContext(policy=VPolicy.CHUNK_LEVEL),
-             OffloadPolicy.REQUEST_LEVEL: VRequestContext(policy=VPolicy.REQUEST_LEVEL)}
+_CHUNK_CONTEXT = VRequestContext(policy=VPolicy.CHUNK_LEVEL)
+_REQUEST_CONTEXT = VRequestContext(policy=VPolicy.REQUEST_LEVEL)
+
+
+def _event_factory(medium: Medium, ownership: str | None) -> Callable[[list, str, bool], VEvent]:
+    """A constructor of vLLM's events in ``medium`` (our manager's ``event_factory`` signature;
+    our medium name is already mapped)."""
+
+    def make(keys: list, _medium: str, removed: bool) -> VEvent:
+        return VEvent(keys, medium, removed, _LOCAL, ownership)
+
+    return make
 
 
 def _cpu_spec(block_ids: Any) -> CPULoadStoreSpec:
@@ -74,6 +87,8 @@ class KVEventsManagerAdapter(VManager):
         self._media: dict[str, tuple[Medium, str | None]] = {inner.medium: (Medium.CPU, None)}
         for tier in (self._tiering.tiers if self._tiering else ()):
             self._media.setdefault(tier.medium, (Medium.STORAGE, getattr(tier, "tier_type", None)))
+        for source in (self._primary, *(self._tiering.tiers if self._tiering else ())):
+            source.event_factory = _event_factory(*self._media[source.medium])
         self._promoted: dict[bytes, CacheHitSource] = {}
         # what get_stats reports (vLLM's CPU-tier gauges and allocation histogram): blocks pinned
         # by stores and by loads in flight, and the size of each prepare_store since the last call
@@ -123,7 +138,8 @@ class KVEventsManagerAdapter(VManager):
         if self._promoted:
             for key in keys:
                 self._promoted.pop(key, None)
-        self._reading = max(0, self._reading - len(keys))
+        left = self._reading - len(keys)
+        self._reading = left if left > 0 else 0
         self.inner.complete_load(keys, req_context)
 
     # -- stores ----------------------------------------------------------------------------
@@ -140,12 +156,15 @@ class KVEventsManagerAdapter(VManager):
     def complete_store(self, keys: Collection[Any], req_context: VReqContext, success: bool = True) -> None:
         if not self._bound:
             self._ensure_bound()
-        self._writing = max(0, self._writing - len(keys))
+        left = self._writing - len(keys)
+        self._writing = left if left > 0 else 0
         self.inner.complete_store(keys, req_context, success)
 
     # -- requests and steps ----------------------------------------------------------------
     def on_new_request(self, req_context: VReqContext) -> VRequestContext:
-        return _CONTEXTS[self.inner.on_new_request(req_context).policy]
+        if self.inner.on_new_request(req_context).policy is _REQUEST_LEVEL:
+            return _REQUEST_CONTEXT
+        return _CHUNK_CONTEXT
 
     def on_request_finished(self, req_context: VReqContext) -> None:
         self.inner.on_request_finished(req_context)
@@ -159,15 +178,19 @@ class KVEventsManagerAdapter(VManager):
         events = self.inner.take_events()
         if not events:
             return ()
-        out = []
-        media = self._media
         for ev in events:
-            found = media.get(ev.medium)
-            if found is None:
-                self.unknown_media += 1
-                found = (Medium.STORAGE, ev.medium)
-            out.append(VEvent(ev.keys, found[0], ev.removed, _LOCAL, found[1]))
-        return out
+            if type(ev) is not VEvent:  # from a source that makes its own (no event_factory)
+                return [self._converted(e) for e in events]
+        return events
+
+    def _converted(self, ev: Any) -> VEvent:
+        if type(ev) is VEvent:
+            return ev
+        found = self._media.get(ev.medium)
+        if found is None:
+            self.unknown_media += 1
+            found = (Medium.STORAGE, ev.medium)
+        return VEvent(ev.keys, found[0], ev.removed, _LOCAL, found[1])
 
     def has_pending_work(self) -> bool:
         return self.inner.has_pending_work()

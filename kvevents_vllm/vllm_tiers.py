@@ -14,8 +14,8 @@ of our :class:`~manager.tiering.SecondaryTierManager`\\ s around it:
   as ``[num_blocks, block_bytes]``);
 - our jobs become vLLM ``TransferJob``\\ s (``chunk_ids``, also as ``block_ids``, the name of
   vLLM <= 0.25 that vllm-kvblockd 0.1.0 reads; vLLM request contexts), vLLM
-  ``JobResult``\\ s ours (a partial success, ``successful_keys``, counts as a failure: our
-  manager frees and recomputes those blocks);
+  ``JobResult``\\ s ours (a failed load job's ``successful_keys`` with it: our manager keeps
+  those blocks and frees the others);
 - ``on_schedule_end`` is called with a ``ScheduleEndContext`` (vLLM's hook takes one),
   ``drain_jobs(timeout)`` calls vLLM's argument-less ``drain_jobs()``;
 - lookups and policies are mapped by meaning (``HIT_PENDING`` is our ``RETRY``), events become
@@ -97,7 +97,7 @@ class VllmTier(SecondaryTierManager):
         self.inner: VllmSecondaryTier | None = tier
         self._contexts: dict[str, VReqContext] = {}
         self._anonymous = VReqContext(req_id="")
-        self.partial_results = 0  # vLLM results with successful_keys (reported failed)
+        self.partial_results = 0  # failed vLLM results that name successful_keys
         self.block_io = block_io
 
     # -- construction once the host buffer is known ------------------------------------------
@@ -146,10 +146,11 @@ class VllmTier(SecondaryTierManager):
         out = []
         for r in self.inner.get_finished_jobs():
             ok = bool(r.success)
-            if ok and getattr(r, "successful_keys", None) is not None:
+            loaded = None if ok else getattr(r, "successful_keys", None)
+            if loaded:
                 self.partial_results += 1
-                ok = False
-            out.append(JobResult(r.job_id, ok))
+                loaded = tuple(loaded)
+            out.append(JobResult(r.job_id, ok, loaded or None))
         self._collect_events()
         return out
 

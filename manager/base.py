@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +172,10 @@ class OffloadingManager(ABC):
     medium: str = "CPU"
     #: how many host blocks the manager addresses (sizes the host buffer); None: no fixed pool.
     num_blocks: int | None = None
+    #: what a manager that makes events builds each one with, called ``(keys, medium, removed)``:
+    #: :class:`OffloadingEvent`; an adapter to another framework's event type sets its own
+    #: (the vLLM adapter's builds vLLM's event for this manager's medium, no conversion later)
+    event_factory: Callable[[list[OffloadKey], str, bool], Any] = OffloadingEvent
 
     @abstractmethod
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:

@@ -59,8 +59,10 @@ class CPUOffloadingManager(OffloadingManager):
             self.policy = create_cache_policy(cache_policy, num_blocks)
         self._blocks = self.policy.blocks  # key -> block id (owned by the policy)
         self._ref: list[int] = [0] * num_blocks
-        # Pop from the end: block 0 is handed out first.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Blocks never handed out are [_fresh, num_blocks), given in ascending order before any
+        # freed block; freed blocks are reused last-freed first (vLLM's CPU manager's order).
+        self._fresh = 0
+        self._free: list[int] = []
         self.enable_events = enable_events
         self._events: list[OffloadingEvent] = []
         self._req_keys: dict[str, list[OffloadKey]] = {}  # per live request, head to tail
@@ -94,7 +96,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
 
     # -- OffloadingManager ------------------------------------------------------
 
@@ -175,13 +177,15 @@ class CPUOffloadingManager(OffloadingManager):
             to_store = list(dict.fromkeys(to_store))
         n = len(to_store)
         free = self._free
+        fresh = self._fresh
+        available = len(free) + self.num_blocks - fresh
         evicted_keys: list[OffloadKey] = []
-        if n > len(free):
+        if n > available:
             if n > self.num_blocks:
                 self.store_rejections += 1
                 return None
             protected = set(keys) if len(to_store) < len(keys) else ()
-            evicted = self.policy.evict(n - len(free), self._ref, protected)
+            evicted = self.policy.evict(n - available, self._ref, protected)
             if evicted is None:
                 self.store_rejections += 1
                 return None
@@ -190,12 +194,20 @@ class CPUOffloadingManager(OffloadingManager):
                 free.append(b)
             self.evictions += len(evicted)
             if self.enable_events:
-                self._events.append(OffloadingEvent(evicted_keys, self.medium, True))
+                self._events.append(self.event_factory(evicted_keys, self.medium, True))
         ref = self._ref
         insert = self.policy.insert
-        ids = free[-n:]
-        del free[-n:]
-        ids.reverse()
+        if fresh < self.num_blocks:
+            self._fresh = min(self.num_blocks, fresh + n)
+            ids = list(range(fresh, self._fresh))
+            rest = n - len(ids)
+        else:
+            ids, rest = [], n
+        if rest:
+            reused = free[-rest:]
+            del free[-rest:]
+            reused.reverse()
+            ids += reused
         for key, b in zip(to_store, ids):
             ref[b] = -1
             insert(key, b)
@@ -213,7 +225,7 @@ class CPUOffloadingManager(OffloadingManager):
                     stored.append(key)
             self.stores_completed += len(stored)
             if stored and self.enable_events:
-                self._events.append(OffloadingEvent(stored, self.medium, False))
+                self._events.append(self.event_factory(stored, self.medium, False))
         else:
             remove, free = self.policy.remove, self._free
             for key in keys:
@@ -237,20 +249,21 @@ class CPUOffloadingManager(OffloadingManager):
         dropped = [k for k, b in self._blocks.items() if ref[b] == 0]
         if len(dropped) == len(self._blocks):
             self.policy.clear()
-            self._free = list(range(self.num_blocks - 1, -1, -1))
+            self._free = []
+            self._fresh = 0
         else:
             remove, free = self.policy.remove, self._free
             for k in dropped:
                 free.append(remove(k))  # type: ignore[arg-type]
         if dropped and self.enable_events:
-            self._events.append(OffloadingEvent(dropped, self.medium, True))
+            self._events.append(self.event_factory(dropped, self.medium, True))
         for seen in self._req_keys.values():
             seen.clear()
 
     def stats(self) -> dict[str, int]:
         return {
             "num_blocks": self.num_blocks,
-            "free_blocks": len(self._free),
+            "free_blocks": self.num_free_blocks,
             "lookups": self.lookups,
             "hits": self.hits,
             "loads": self.loads,

@@ -233,3 +233,22 @@ def test_finished_request_loses_tail_before_head(policy: str) -> None:
     m.on_new_request(b)
     out = m.prepare_store([K(7), K(8)], b)
     assert out is not None and out.evicted_keys == [K(3)]  # the tail goes first
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_blocks_never_used_are_handed_out_before_freed_ones(policy: str) -> None:
+    """vLLM's CPU manager's allocation order: unused blocks in ascending order first, then freed
+    blocks, last freed first (vLLM 0.33's test_already_stored_chunk_not_evicted_during_prepare_store)."""
+    m = CPUOffloadingManager(4, policy, enable_events=True)
+    ctx = ReqContext("r")
+    stored(m, [K(1), K(2)])
+    m.touch([K(1)], ctx)  # K(2) is the eviction candidate, but it is offered again below
+    out = m.prepare_store([K(2), K(3), K(4), K(5)], ctx)
+    assert out is not None
+    assert (out.keys_to_store, out.store_spec.block_ids.tolist(), out.evicted_keys) == (
+        [K(3), K(4), K(5)], [2, 3, 0], [K(1)])
+    m.complete_store(out.keys_to_store, ctx)
+    assert m.lookup(K(2), ctx) is LookupResult.HIT and m.num_free_blocks == 0
+    m.reset_cache()
+    assert m.num_free_blocks == 4
+    assert m.prepare_store([K(6)], ctx).store_spec.block_ids.tolist() == [0]

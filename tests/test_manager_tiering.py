@@ -329,3 +329,128 @@ def test_secondary_tier_abc_requires_methods() -> None:
     with pytest.raises(TypeError):
         Half("half")  # type: ignore[abstract]
     assert RequestOffloadingContext().policy is OffloadPolicy.BLOCK_LEVEL
+
+
+class _CachingAsyncTier(SecondaryTierManager):
+    """An asynchronous tier shaped like vllm-kvblockd's: a key's first lookup answers RETRY and
+    queues a query, answered at the step's end from what the tier holds then, and the answer
+    is cached until every request that asked finishes. Store jobs land when the test says."""
+
+    def __init__(self) -> None:
+        super().__init__("caching")
+        self.blobs: dict[bytes, bytes] = {}
+        self.answers: dict[bytes, bool | None] = {}
+        self.askers: dict[bytes, set[str]] = {}
+        self.unowned_lookups = 0  # lookups with no request: answers no request's end clears
+        self._in_flight: list[JobMetadata] = []
+        self._finished: list[JobResult] = []
+
+    def lookup(self, key, req_context=None):  # type: ignore[no-untyped-def]
+        if req_context is None:
+            self.unowned_lookups += 1
+        self.askers.setdefault(key, set()).add(req_context.req_id if req_context else "")
+        answer = self.answers.setdefault(key, None)
+        if answer is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if answer else LookupResult.MISS
+
+    def on_schedule_end(self) -> None:
+        for key, answer in self.answers.items():
+            if answer is None:
+                self.answers[key] = key in self.blobs
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        for key in [k for k, reqs in self.askers.items() if req_context.req_id in reqs]:
+            self.askers[key].discard(req_context.req_id)
+            if not self.askers[key]:
+                del self.askers[key], self.answers[key]
+
+    def submit_store(self, job: JobMetadata) -> None:
+        self._in_flight.append(job)
+
+    def land_stores(self) -> None:
+        for job in self._in_flight:
+            for key, b in zip(job.keys, job.block_ids.tolist()):
+                self.blobs[key] = bytes(self.block_io.read_block(b))
+            self._finished.append(JobResult(job.job_id, True))
+        self._in_flight = []
+
+    def submit_load(self, job: JobMetadata) -> None:
+        for key, b in zip(job.keys, job.block_ids.tolist()):
+            self.block_io.write_block(b, self.blobs[key])
+        self._finished.append(JobResult(job.job_id, True))
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        out, self._finished = self._finished, []
+        return out
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+
+def test_a_tier_with_cached_async_lookups_serves_what_was_stored_into_it() -> None:
+    """Issue 22 (the kvblockd round trip that failed about 3 runs in 8): storing into a tier
+    must not ask the tier's lookup (asked with no request, an asynchronous tier caches its answer
+    for good; taken before the store landed it is a MISS, and the block never came back)."""
+    tier = _CachingAsyncTier()
+    io = NumpyBlockIO.allocate(2, 16)
+    m = TieringOffloadingManager(CPUOffloadingManager(2, "lru"), [tier], block_io=io)
+    ctx = ReqContext("a")
+    m.on_new_request(ctx)
+    for i in range(3):  # the third store evicts K(0) from the 2-block primary
+        out = m.prepare_store([K(i)], ctx)
+        assert out is not None
+        io.write_block(int(out.store_spec.block_ids[0]), bytes([i + 1]) * 16)
+        m.complete_store([K(i)], ctx)
+        m.on_schedule_end()  # the step ends before the tier's store lands
+        tier.land_stores()
+        m.on_schedule_end()  # the store's result: K(i) unpinned in the primary
+    assert tier.unowned_lookups == 0
+    assert m.primary.lookup(K(0), ctx) is LookupResult.MISS and K(0) in tier.blobs
+    seen = []
+    for _ in range(4):
+        seen.append(m.lookup(K(0), ctx))
+        if seen[-1] is LookupResult.HIT:
+            break
+        m.on_schedule_end()
+    # RETRY (the tier's query), RETRY (its HIT: the promotion starts), HIT
+    assert seen == [LookupResult.RETRY, LookupResult.RETRY, LookupResult.HIT], (seen, m.stats())
+    assert m.promotions_started == 1
+    spec = m.prepare_load([K(0)], ctx)
+    assert io.read_block(int(spec.block_ids[0])).tobytes() == bytes([1]) * 16
+
+
+class _PartialLoadTier(ExampleSecondaryTierManager):
+    """Loads only the keys in ``loadable``; a job with others fails naming what it loaded."""
+
+    def __init__(self, loadable: set[bytes]) -> None:
+        super().__init__("partial")
+        self.loadable = loadable
+
+    def submit_load(self, job: JobMetadata) -> None:
+        done = tuple(k for k in job.keys if k in self.loadable)
+        if len(done) == len(job.keys):
+            super().submit_load(job)
+        else:
+            self._finished.append(JobResult(job.job_id, False, done or None))
+
+
+@pytest.mark.parametrize(("loadable", "kept"), [({0, 2}, [0, 2]), (set(), []), ({0, 1, 2}, [0, 1, 2])])
+def test_a_partly_failed_promotion_keeps_the_blocks_that_were_loaded(loadable: set[int], kept: list[int]) -> None:
+    """vLLM's JobResult.successful_keys: a failed load job's keys that were loaded stay in the
+    primary (HITs); the others are freed (MISS)."""
+    tier = _PartialLoadTier({K(i) for i in loadable})
+    other = ExampleSecondaryTierManager("other")
+    m = TieringOffloadingManager(CPUOffloadingManager(4), [tier, other])
+    for i in range(3):
+        tier.store[K(i)] = None
+    ctx = ReqContext("a")
+    assert [m.lookup(K(i), ctx) for i in range(3)] == [LookupResult.RETRY] * 3  # promotions queued
+    m.on_schedule_end()  # one load job of 3 keys
+    m.on_schedule_end()  # its result
+    assert [i for i in range(3) if m.primary.lookup(K(i), ctx) is LookupResult.HIT] == kept
+    assert [i for i in range(3) if m.primary.lookup(K(i), ctx) is LookupResult.MISS] == [
+        i for i in range(3) if i not in kept]
+    assert sorted(other.store) == [K(i) for i in kept]  # what was kept cascades to the other tier
+    s = m.stats()
+    assert (s["promotions_failed"], s["promotions_partial"]) == (int(len(kept) < 3), int(0 < len(kept) < 3))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,11 @@ class JobMetadata:
 @dataclass(slots=True, frozen=True)
 class JobResult:
     job_id: int
+    #: True: every key of the job succeeded; False: all or some failed.
     success: bool
+    #: a failed load job's keys that were loaded all the same (they are kept in the primary);
+    #: None: every key shares ``success``. Ignored for store jobs and successful results.
+    successful_keys: tuple[OffloadKey, ...] | None = None
 
 
 class SecondaryTierManager(ABC):
@@ -54,6 +58,9 @@ class SecondaryTierManager(ABC):
 
     #: the medium named in this tier's events.
     medium: str = "STORAGE"
+    #: what :meth:`_emit` builds each event with, called ``(keys, medium, removed)`` (see
+    #: :attr:`manager.base.OffloadingManager.event_factory`)
+    event_factory: Callable[[list[OffloadKey], str, bool], Any] = OffloadingEvent
 
     def __init__(
         self,
@@ -124,8 +131,15 @@ class SecondaryTierManager(ABC):
 
     def holds(self, key: OffloadKey) -> bool:
         """Whether the tier holds ``key`` as far as it knows now, without starting any
-        lookup work (the tiering manager asks this before storing a block into the tier)."""
-        return self.lookup(key, None) is LookupResult.HIT
+        lookup work (the tiering manager asks this before storing a block into the tier).
+
+        By default the tier does not know (False: the block is stored, as vLLM's tiering
+        manager stores every block into every tier). ``lookup`` is not a substitute: it
+        belongs to a request, and an asynchronous tier's answer to it may be cached for that
+        request (vllm-kvblockd caches it until the request finishes); asked with no request,
+        it would cache an answer that no request's end ever clears: a MISS taken before the
+        tier's store landed would hide the block from every later lookup."""
+        return False
 
     def store_backlog(self) -> int:
         """Blocks of store jobs submitted and not yet finished (0 for synchronous tiers)."""
@@ -163,4 +177,4 @@ class SecondaryTierManager(ABC):
         so the order of events is the order of changes."""
         if keys and self.enable_events:
             with self._events_lock:
-                self._events.append(OffloadingEvent(keys, self.medium, removed))
+                self._events.append(self.event_factory(keys, self.medium, removed))

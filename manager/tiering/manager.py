@@ -47,7 +47,7 @@ from ..base import (
     RequestOffloadingContext,
 )
 from ..lifecycle import RequestLifecycle
-from .base import JobMetadata, SecondaryTierManager
+from .base import JobMetadata, JobResult, SecondaryTierManager
 
 __all__ = ["TieringOffloadingManager"]
 
@@ -121,7 +121,8 @@ class TieringOffloadingManager(OffloadingManager):
         self._processed_this_step = False
         # Counters.
         self.promotions_started = 0
-        self.promotions_failed = 0
+        self.promotions_failed = 0  # load jobs with a key not loaded
+        self.promotions_partial = 0  # of those, jobs whose other keys were loaded (and kept)
         self.promotions_rejected = 0  # secondary hit but no primary room
         self.cascade_jobs = 0
         self.cascade_failures = 0
@@ -254,20 +255,35 @@ class TieringOffloadingManager(OffloadingManager):
                     self.unknown_results += 1
                     continue
                 if job.is_promotion:
-                    for key in job.keys:
-                        self._promoting.pop(key, None)
-                    self.primary.complete_store(job.keys, job.req_context, res.success)  # type: ignore[arg-type]
-                    if res.success:
-                        others = [t for t in range(len(self.tiers)) if t != i]
-                        if others:
-                            self._cascade(job.keys, job.req_context, others)
-                    else:
-                        self.promotions_failed += 1
+                    self._complete_promotion(i, job, res)
                 else:
                     self._tier_storing[i].difference_update(job.keys)
                     self.primary.complete_load(job.keys, job.req_context)  # type: ignore[arg-type]
                     if not res.success:
                         self.cascade_failures += 1
+
+    def _complete_promotion(self, i: int, job: _Job, res: JobResult) -> None:
+        """The primary keeps what the tier loaded (all, none, or a failed job's
+        ``successful_keys``) and frees the rest; what it keeps cascades to the other tiers."""
+        for key in job.keys:
+            self._promoting.pop(key, None)
+        if res.success:
+            loaded, failed = job.keys, []
+        elif res.successful_keys:
+            ok = set(res.successful_keys).intersection(job.keys)
+            self.unknown_results += len(set(res.successful_keys)) - len(ok)  # keys not in the job
+            loaded, failed = [k for k in job.keys if k in ok], [k for k in job.keys if k not in ok]
+            self.promotions_partial += 1
+        else:
+            loaded, failed = [], job.keys
+        if loaded:
+            self.primary.complete_store(loaded, job.req_context, True)  # type: ignore[arg-type]
+            others = [t for t in range(len(self.tiers)) if t != i]
+            if others:
+                self._cascade(loaded, job.req_context, others)
+        if failed:
+            self.primary.complete_store(failed, job.req_context, False)  # type: ignore[arg-type]
+            self.promotions_failed += 1
 
     def _flush_promotions(self) -> None:
         queues, self._promo_queues = self._promo_queues, {}
@@ -399,6 +415,7 @@ class TieringOffloadingManager(OffloadingManager):
             "jobs_in_flight": len(self._jobs),
             "promotions_started": self.promotions_started,
             "promotions_failed": self.promotions_failed,
+            "promotions_partial": self.promotions_partial,
             "promotions_rejected": self.promotions_rejected,
             "cascade_jobs": self.cascade_jobs,
             "cascade_failures": self.cascade_failures,

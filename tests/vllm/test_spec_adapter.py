@@ -200,3 +200,32 @@ def test_without_secondary_tiers_the_host_buffer_is_private(tmp_path, monkeypatc
         assert host.open_block_io(cfg.engine_id, 1) is None
     finally:
         w.shutdown()
+
+
+def test_events_are_vllms_from_where_they_are_made():
+    """The adapter gives our CPU manager and each tier a constructor of vLLM's event for its
+    medium (no conversion per step); an event of ours that still arrives is converted, and one
+    in a medium no tier declared is counted."""
+    from kvevents_vllm.manager_adapter import KVEventsManagerAdapter
+    from manager.base import NumpyBlockIO, OffloadingEvent, ReqContext
+    from manager.cpu import CPUOffloadingManager
+    from manager.tiering import ExampleSecondaryTierManager, TieringOffloadingManager
+
+    tiering = TieringOffloadingManager(CPUOffloadingManager(4, "lru", True), [ExampleSecondaryTierManager()],
+                                       block_io=NumpyBlockIO.allocate(4, 16))
+    m = KVEventsManagerAdapter(tiering)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    m.prepare_store([K(1)], ctx)
+    m.complete_store([K(1)], ctx)  # the example tier stores it at once: a STORAGE event
+    m.on_schedule_end(None)
+    events = m.take_events()
+    assert all(type(e) is vbase.OffloadingEvent for e in events)
+    assert [(e.keys, e.medium, e.removed, e.locality, e.ownership) for e in events] == [
+        ([K(1)], vbase.Medium.CPU, False, vbase.Locality.LOCAL, None),
+        ([K(1)], vbase.Medium.STORAGE, False, vbase.Locality.LOCAL, "example")]
+    tiering.primary._events.append(OffloadingEvent([K(2)], "ELSEWHERE", True))  # made without the factory
+    [ev] = m.take_events()
+    assert type(ev) is vbase.OffloadingEvent and (ev.medium, ev.ownership) == (vbase.Medium.STORAGE, "ELSEWHERE")
+    assert m.stats()["adapter_unknown_media"] == 1
+    assert CPUOffloadingManager(4).event_factory is OffloadingEvent  # without an adapter: ours

@@ -143,10 +143,6 @@ def until(pred, m, what: str, timeout: float = 120.0):
         threading.Event().wait(0.001)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 22 open: some runs (3 of about 8, in a fresh interpreter too) never see K(0) promoted: "
-    "vllm-kvblockd's lookups stay MISS and no promotion starts (promotions_started 0) though the "
-    "stand-in server holds the block; others pass. Cause not found yet"))
 def test_kvblockd_tier_stores_evicts_and_loads_back(server):
     spec = CPUOffloadingSpec(CPU_BLOCKS, secondary_tiers=[{
         "type": "vllm", "module_path": "vllm_kvblockd.tier_manager", "class_name": "KvblockdTierManager",
