@@ -30,10 +30,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from operator import length_hint as _length_hint
+from typing import get_args
 
 import zmq
 
 from ...codec import BatchEncoder
+from ...config import Overflow
 from ...errors import ConfigError, EndpointError
 from ...events import KVEventBatch
 from ...publisher_base import EventPublisher, PublisherStats, ShutdownReport, _Ring
@@ -46,7 +48,7 @@ __all__ = ["ZmqEventPublisher", "OVERFLOW_POLICIES", "END_SEQ"]
 
 SNDMORE = zmq.SNDMORE
 _yield_gil = time.sleep
-OVERFLOW_POLICIES = ("replay_only", "drop_oldest")
+OVERFLOW_POLICIES: tuple[str, ...] = get_args(Overflow)
 _UNTRACED = object()  # the span token of a batch whose seq the hooks do not sample
 
 
