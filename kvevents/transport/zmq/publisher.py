@@ -147,6 +147,7 @@ class ZmqEventPublisher(EventPublisher):
         self._group_end, self._ready, self._sending = 0, [], None  # where it is (see _stuck)
         self._deadline = 0.0
 
+        bind = should_bind(self.endpoint, mode)  # a bad mode is refused before a socket exists
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         # SNDHWM counts messages, per subscriber: with hwm_bytes it is also held under
@@ -159,7 +160,7 @@ class ZmqEventPublisher(EventPublisher):
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = None
         try:
-            if should_bind(self.endpoint, mode):
+            if bind:
                 self._pub.bind(self.endpoint)
             else:
                 self._pub.connect(self.endpoint)
