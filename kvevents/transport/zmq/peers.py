@@ -31,7 +31,8 @@ out on is still up, unbroken (:meth:`Peer.link`): a restarted process is a new c
 an answer that begins past the anchor is then the same run's ring having moved on while this
 subscriber lags more than a ring behind (its live frames are on their way, or their loss shows
 as a seq jump). That answer is *moot* (``probes_moot``): nothing is concluded or delivered from
-it. (Under bursts on busy cores that lag is common; taking it for a restart RESET the pod and
+it. So is the answer to a probe that live traffic made moot before the answer was read (the
+SUB socket is read before the replay DEALER in a poll): the anchor has moved on since. (Under bursts on busy cores that lag is common; taking it for a restart RESET the pod and
 then replayed from 0 into the ring's hole: a false reset and thousands of batches "lost".) A gap's replay asks from the first missing seq, as
 vLLM's subscriber does (it follows a live batch: the publisher was up a moment ago).
 
@@ -198,11 +199,17 @@ class Peer:
     def verdict(self, seq: int | None, payload: bytes | None) -> int:
         """The first answer of a checked replay (``seq`` None: the end marker): SAME, RESTART, or
         MOOT (an idle probe's answer begins past the anchor on the connection it went out on,
-        still up: the ring moved on; nothing is concluded, see the module docstring)."""
+        still up: the ring moved on; or the tracker gave the request up before this answer came:
+        nothing is concluded, see the module docstring)."""
         kind, anchor_seq, link = self.check_kind, self.checking, self.check_link
         self.checking = -1
         self.check_kind = 0
         self.check_link = None
+        if not self.tracker.recovering:
+            # given up (live traffic made the idle probe moot, or it timed out), maybe in the very
+            # poll that read this answer: the anchor has moved on since, so the batch asked for
+            # cannot be compared with it (that was a false RESET under bursts)
+            return MOOT
         if self.check_run != self.tracker.health.resets:
             restart = False  # a RESET came first (the seq went backwards): this check is moot
         elif seq == anchor_seq:
