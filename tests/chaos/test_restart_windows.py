@@ -201,7 +201,7 @@ def test_a_reconnect_no_poll_reported_still_comes_before_the_new_runs_frames() -
     ep, rep = ipc_pair()
     sub = Subscriber([(ep, rep, "p")], tail_probe_after=None, replay_timeout=60.0)
     for peer in sub._peers.values():
-        sub._poller.unregister(peer.monitor)  # read only by the SUB socket's drain (_drain_live)
+        sub._poller.unregister(peer.monitor)  # read only by the SUB socket's drain (RestartDetector.read_live)
     pub = None
     try:
         last = _old_run(sub, ep, rep)

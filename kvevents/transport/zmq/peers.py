@@ -16,7 +16,7 @@ from the anchor's seq; the publisher's copy of that batch must be the anchor's p
 payload under that seq, or no batch at it at all (the new ring is behind, or has moved past
 it), means another run: RESET, then the new run from seq 0. The monitor's event is queued before
 the new connection's first message (the handshake completes before data flows), and a drain's
-frames are used only after the monitor has been read again (``RestartDetection._drain_live``),
+frames are used only after the monitor has been read again (``RestartDetector.read_live``),
 so the new run's batches are held, not spliced, however late the event is read. Without a
 replay endpoint the reconnect is a RESET itself (``unverified_resets``). Until the
 check's answer every request the peer makes is such a check (an idle probe in flight when the
