@@ -133,3 +133,59 @@ def test_an_idle_probes_answer_read_after_live_traffic_made_it_moot_is_no_restar
         assert (h.resets, h.gaps, h.unrecoverable) == (0, 0, 0)
     finally:
         sub.close()
+
+
+def test_the_reconnect_of_a_run_found_while_its_publisher_was_down_is_no_second_restart(tmp_path):
+    """The publisher goes down and an idle probe goes out while it is; the next run binds the
+    replay socket first and answers it (nothing at the anchor): a RESET, and the new run is
+    replayed from 0. Then the SUB socket reconnects — to that same run — and its check asks from
+    the new anchor, which the new run's ring (a busy publisher, a lagging subscriber) has already
+    moved past. That is the run the RESET found, its ring moved on: the missing seqs are a GAP,
+    not a second RESET (before: 2 RESETs for 1 restart, seen in tests/chaos/test_burst_under_load.py
+    with more busy processes than cores). Socket-free: the replay answers and the monitor's
+    reconnect are handed to the subscriber's own handlers."""
+    import kvevents
+    from kvevents.transport.zmq.frames import END_SEQ
+
+    sub = Subscriber([PublisherSpec(f"ipc://{tmp_path}/p.pub", f"ipc://{tmp_path}/p.replay", "p")],
+                     tail_probe_after=None, raw=True)
+    try:
+        peer, now, out = sub._peers["p"], time.time(), []
+        peer.connects, peer.connected = 1, True  # the monitor's CONNECTED, read earlier
+        def live(run: int, seq: int) -> list[bytes]:
+            return [b"", seq.to_bytes(8, "big"), kvevents.encode_batch(batch(run * 1000 + seq))]
+
+        answer = lambda run, seq: [b"", b"", seq.to_bytes(8, "big"), live(run, seq)[2]]  # noqa: E731
+        end = [b"", b"", END_SEQ, b""]
+        for seq in range(100):
+            sub._on_live(peer, live(1, seq), now, out)
+        peer.connected = False  # the monitor's DISCONNECTED: run 1 is gone
+        assert peer.tracker.check(now, probe=True)
+        sub._send_request(peer)  # the probe, from the anchor (99), waits for whoever binds next
+        sub._on_replay(peer, end, now, out)  # run 2 (at seq 40 so far) has nothing at 99: a restart
+        assert [d.kind for d in out].count(DeliveryKind.RESET) == 1 and peer.tracker.request is None
+        for seq in range(41):  # run 2's replay from 0
+            sub._on_replay(peer, answer(2, seq), now, out)
+        sub._on_replay(peer, end, now, out)
+        assert peer.anchor_seq == 40
+        peer.connects, peer.connected = 2, True  # the SUB socket reconnects, to run 2
+        sub._restarts._connect_reconnected(peer, now, out)  # as the monitor's read does
+        assert peer.suspect and peer.checking == 40
+        for seq in range(600, 610):  # run 2's live frames, far ahead: held
+            sub._on_live(peer, live(2, seq), now, out)
+        for seq in range(300, 600):  # the check's answer: run 2's ring (300) moved past 40
+            if peer.dealer is not None:
+                sub._on_replay(peer, answer(2, seq), now, out)
+        if peer.dealer is not None:
+            sub._on_replay(peer, end, now, out)
+        after = out[[d.kind for d in out].index(DeliveryKind.RESET) + 1:]
+        kinds = [d.kind for d in after]
+        assert kinds.count(DeliveryKind.RESET) == 0, \
+            [(d.kind.value, d.seq) for d in after if d.kind is not DeliveryKind.BATCH]
+        gaps = [(d.seq, d.missed) for d in after if d.kind is DeliveryKind.GAP]
+        assert gaps == [(41, 259)]
+        assert [d.seq for d in after if d.kind is DeliveryKind.BATCH] == list(range(41)) + list(range(300, 610))
+        assert all(d.payload == live(2, d.seq)[2] for d in after if d.kind is DeliveryKind.BATCH)
+        assert sub.health()["p"].resets == 1
+    finally:
+        sub.close()

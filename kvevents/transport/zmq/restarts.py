@@ -126,6 +126,7 @@ class RestartDetector:
         """Bind mode: a topic heard before came over another connection (see .conns)."""
         tracker = peer.tracker
         tracker.health.reconnects += 1
+        peer.connection_came()
         if tracker.expected is None or seq <= tracker.live_high:
             return  # nothing delivered yet, or the seq went backwards: the tracker says RESET itself
         if peer.replay_endpoint:
@@ -160,6 +161,9 @@ class RestartDetector:
         # been the new run's; if its replay never answers either, those seqs are a GAP (tracker)
         out.extend(peer.tracker.restarted(now, verified=verified, unseen=0 if verified else top + 1))
         peer.anchor, peer.anchor_seq = None, -1
+        # found while no connection is up (an idle probe answered by the next run): the connection
+        # that comes next is this run's, and its check must not take this run's moving ring for another
+        peer.found_unlinked, peer.own_conn = peer.link() is None, False
         self._ask(peer, False)
 
     @staticmethod
@@ -217,6 +221,7 @@ class RestartDetector:
         placing the new run after them, inside the GAP :meth:`unplaced` reports)."""
         tracker = peer.tracker
         tracker.health.reconnects += 1
+        peer.connection_came()
         # frames read until the socket runs dry after this may be the old connection's tail: with a
         # replay endpoint they are held for the check (and after a restart, those continuing the
         # old run's seqs go with it); without one, dropped
