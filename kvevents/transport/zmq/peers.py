@@ -224,7 +224,7 @@ class Peer:
         if not self.tracker.recovering:
             # given up (live traffic made the idle probe moot, or it timed out), maybe in the very
             # poll that read this answer: the anchor has moved on since, so the batch asked for
-            # cannot be compared with it (that was a false RESET under bursts)
+            # cannot be compared with it
             return MOOT
         if self.check_run != self.tracker.health.resets:
             restart = False  # a RESET came first (the seq went backwards): this check is moot
