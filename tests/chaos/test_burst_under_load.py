@@ -10,16 +10,9 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 from benchmarks import chaos_bursts
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 23 open: about 1 run in 7 on a quiet 2-core machine one router counts 2 RESETs for the "
-    "restarted pod's 1 restart (never a RESET for a pod that did not restart in the runs since the "
-    "lag fix; a lagging router is now waited for). Deterministic guards of the fixed causes: "
-    "tests/test_subscriber_liveness.py"))
 def test_bursts_under_load_reset_only_on_restarts_and_exclude_no_pod(tmp_path):
     r = chaos_bursts.run(seconds=8.0, restarts=1, burners=os.cpu_count() or 2, seed=20261127,
                          workdir=str(tmp_path), burst=20000, tcp=True, routers=2, ring=300)

@@ -33,7 +33,7 @@ is classified (:meth:`BindConnections.classify`) by the connections it can have 
 
 * its own connection: the same run goes on (**SAME**) — also a closed connection's frames read
   before any other connection of the publisher spoke: the old run's tail, in order;
-* another connection, open or newly accepted: **NEW**, the reconnect (``Subscriber._reconnected``:
+* another connection, open or newly accepted: **NEW**, the reconnect (``RestartDetector.reconnected``:
   with a replay endpoint the fingerprint check, without one a counted RESET);
 * a connection the publisher has left: its unread tail, after the reconnect: **DROP**;
 * more than one of those (its closed connection not yet exhausted, and a new one that could be

@@ -16,12 +16,16 @@ from the anchor's seq; the publisher's copy of that batch must be the anchor's p
 payload under that seq, or no batch at it at all (the new ring is behind, or has moved past
 it), means another run: RESET, then the new run from seq 0. The monitor's event is queued before
 the new connection's first message (the handshake completes before data flows), and a drain's
-frames are used only after the monitor has been read again (``RestartDetection._drain_live``),
+frames are used only after the monitor has been read again (``RestartDetector.read_live``),
 so the new run's batches are held, not spliced, however late the event is read. Without a
 replay endpoint the reconnect is a RESET itself (``unverified_resets``). Until the
 check's answer every request the peer makes is such a check (an idle probe in flight when the
 reconnect comes becomes one), and a check left unanswered with live batches held is a RESET
 (``unverified_resets``): what cannot be verified is not spliced on.
+A restart found while no connection was up (an idle probe answered by the next run, below)
+makes the connection that comes next that run's own (:meth:`Peer.connection_came`): its check
+takes an answer that begins past the anchor for that run's ring having moved on under a lagging
+subscriber (the seqs between are a GAP), not for yet another run.
 
 An idle probe is such a check too: it is sent while the publisher is quiet, maybe down, and a
 request sent while the publisher is down waits in the DEALER and is answered by whatever binds
@@ -32,8 +36,11 @@ an answer that begins past the anchor is then the same run's ring having moved o
 subscriber lags more than a ring behind (its live frames are on their way, or their loss shows
 as a seq jump). That answer is *moot* (``probes_moot``): nothing is concluded or delivered from
 it. (Under bursts on busy cores that lag is common; taking it for a restart RESET the pod and
-then replayed from 0 into the ring's hole: a false reset and thousands of batches "lost".) A gap's replay asks from the first missing seq, as
-vLLM's subscriber does (it follows a live batch: the publisher was up a moment ago).
+then replayed from 0 into the ring's hole: a false reset and thousands of batches "lost".) So
+is the answer to a probe that live traffic made moot before the answer was read (the SUB socket
+is read before the replay DEALER in a poll): the anchor has moved on since. A gap's replay asks
+from the first missing seq, as vLLM's subscriber does (it follows a live batch: the publisher
+was up a moment ago).
 
 Idle-tail probes: a publisher silent for ``probe_after`` seconds gets a replay request from
 its next expected seq (from the anchor, so it is a restart check too); batches coming back
@@ -66,7 +73,8 @@ class Peer:
     __slots__ = ("name", "replay_endpoint", "sub", "dealer", "monitor", "tracker", "anchor_seq", "anchor",
                  "anchor_run", "checking", "check_kind", "check_run", "connects", "probe_ivl", "probed_at", "gone", "bind",
                  "suspect", "conn", "old", "settled", "old_held", "old_next", "epoch", "window", "window_left",
-                 "window_top", "unplaced_due", "unplaced_recv", "connected", "check_link")
+                 "window_top", "unplaced_due", "unplaced_recv", "connected", "check_link", "found_unlinked",
+                 "own_conn")
 
     def __init__(self, name: str, replay_endpoint: str | None, tracker: SeqTracker, bind: bool = False) -> None:
         self.name = name
@@ -84,6 +92,10 @@ class Peer:
         #: an idle probe's: the connection it went out on (:meth:`link`), None for other checks
         self.check_link = None
         self.suspect = False  #: reconnected, not yet verified: every replay asked is a reconnect check
+        #: the current run was found (a RESET) from its replay socket's answer while no connection
+        #: was up: the next connection is its own; and the connection being checked is that one
+        self.found_unlinked = False
+        self.own_conn = False
         #: bind mode (see .conns): the connection its frames come over (None: not known), the one
         #: it left whose unread tail may still come, and whether its frames need no attributing
         self.conn = None
@@ -192,17 +204,28 @@ class Peer:
         self.old_next = -1
         return False
 
+    def connection_came(self) -> None:
+        """A new connection (a reconnect): the first since a restart found while none was up is
+        that run's own (:meth:`verdict`); any later one may be another run's."""
+        self.own_conn, self.found_unlinked = self.found_unlinked, False
+
     def has_anchor(self) -> bool:
         return self.anchor is not None and self.anchor_run == self.tracker.health.resets
 
     def verdict(self, seq: int | None, payload: bytes | None) -> int:
         """The first answer of a checked replay (``seq`` None: the end marker): SAME, RESTART, or
         MOOT (an idle probe's answer begins past the anchor on the connection it went out on,
-        still up: the ring moved on; nothing is concluded, see the module docstring)."""
+        still up: the ring moved on; or the tracker gave the request up before this answer came:
+        nothing is concluded, see the module docstring)."""
         kind, anchor_seq, link = self.check_kind, self.checking, self.check_link
         self.checking = -1
         self.check_kind = 0
         self.check_link = None
+        if not self.tracker.recovering:
+            # given up (live traffic made the idle probe moot, or it timed out), maybe in the very
+            # poll that read this answer: the anchor has moved on since, so the batch asked for
+            # cannot be compared with it
+            return MOOT
         if self.check_run != self.tracker.health.resets:
             restart = False  # a RESET came first (the seq went backwards): this check is moot
         elif seq == anchor_seq:
@@ -211,10 +234,14 @@ class Peer:
                 and not self.suspect:
             self.tracker.health.probes_moot += 1
             return MOOT
+        elif seq is not None and seq > anchor_seq and self.suspect and self.own_conn:
+            # the first connection of a run found while none was up: that run's ring has moved
+            # past the anchor it was replayed to (the seqs between are a GAP), not another run
+            restart = False
         else:  # the anchor is not there: unverifiable, and after a reconnect that is a new run
             restart = kind == CHECK_RECONNECT
         if kind == CHECK_RECONNECT:
-            self.suspect = False  # verified now, one way or the other
+            self.suspect = self.own_conn = False  # verified now, one way or the other
         if not restart:
             self.old_held = ()  # the same run: what was held is delivered in order
         return RESTART if restart else SAME

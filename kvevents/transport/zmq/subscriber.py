@@ -37,14 +37,14 @@ from ._recv import drain
 from .conns import DROP, NEW, BindConnections, local_address
 from .endpoints import PublisherSpec, probe_replay_endpoint, publisher_spec, validate_endpoint
 from .frames import is_end_marker, is_replay_answer, replay_request
-from .peers import MOOT, RESTART, Peer, PeerTable, is_connected, reconnected
+from .peers import MOOT, RESTART, Peer, PeerTable, is_connected
 from .restarts import DRAIN as _DRAIN
-from .restarts import RestartDetection, tail_bound
+from .restarts import RestartDetector, tail_bound
 
 __all__ = ["Subscriber", "PublisherSpec"]
 
 
-class Subscriber(RestartDetection, EventSource):
+class Subscriber(EventSource):
     """The ZeroMQ event source (see the module docstring); ``open_source("tcp://...")`` builds one."""
 
     def __init__(
@@ -123,6 +123,11 @@ class Subscriber(RestartDetection, EventSource):
         except zmq.ZMQError as exc:
             self.close()
             raise EndpointError(f"cannot open subscriber sockets: {exc}") from None
+        #: restart detection, with what it may do here (see .restarts)
+        self._restarts = RestartDetector(ask=self._send_request, forget=self._drop_dealer,
+                                         attend=self._table.active.add, use=self._on_live, conns=self._conns,
+                                         tail=tail_bound(rcvhwm), replay_timeout=replay_timeout,
+                                         max_pending=max_pending)
 
     @classmethod
     def from_urls(cls, urls: list[str], *, bind: bool = False, names: dict[str, str] | None = None,
@@ -219,23 +224,23 @@ class Subscriber(RestartDetection, EventSource):
         ready = self._poller.poll(timeout_ms)
         now = time.time()
         tap = self.tap
+        restarts = self._restarts
         for sock, _ in ready:
             kind, peer = self._by_sock.get(sock, (None, None))
             if kind is None:
                 continue
             if kind == "monitor":
-                if reconnected(peer):
-                    self._connect_reconnected(peer, now, out)
+                restarts.monitor(peer, now, out)
                 continue
             if kind == "bindmon":  # then the socket: a close read is followed by an EAGAIN (.conns)
                 self._conns.read_events()
-                self._drain_bind(self._bind_sub, now, out)
+                restarts.read_bound(self._bind_sub, now, out, tap)
                 continue
             if kind == "bind":
-                self._drain_bind(sock, now, out)
+                restarts.read_bound(sock, now, out, tap)
                 continue
             if kind == "live":
-                self._drain_live(peer, sock, now, out)
+                restarts.read_live(peer, sock, now, out, tap)
                 continue
             for _ in range(_DRAIN):  # bounded drain per socket keeps publishers fair
                 # a message at a time: what arrives while one is used is read in this poll too,
@@ -260,7 +265,7 @@ class Subscriber(RestartDetection, EventSource):
                 if peer.suspect and tracker.pending and now >= tracker.deadline:
                     # a reconnect check went unanswered with the new connection's batches held:
                     # they cannot be verified, so they are not spliced on either
-                    self._restart(peer, now, out, verified=False)
+                    restarts.restart(peer, now, out, verified=False)
                     continue
                 out.extend(tracker.tick(now))
                 if not tracker.recovering:
@@ -271,7 +276,7 @@ class Subscriber(RestartDetection, EventSource):
                         tracker.health.join_retries += 1
             if tracker.request is not None:
                 self._send_request(peer)
-            elif not tracker.recovering and not (peer.unplaced_due and self._unplaced(peer, now, out)):
+            elif not tracker.recovering and not (peer.unplaced_due and restarts.unplaced(peer, now, out)):
                 table.active.discard(peer)
                 self._drop_dealer(peer)
         if self.hooks is not None and out:
@@ -305,7 +310,7 @@ class Subscriber(RestartDetection, EventSource):
                     peer.tracker.health.old_conn_dropped += 1
                     return
                 if verdict == NEW:
-                    self._reconnected(peer, int.from_bytes(seq_b, "big"), now, out)
+                    self._restarts.reconnected(peer, int.from_bytes(seq_b, "big"), now, out)
         if peer.old_next >= 0 and peer.old_leftover(int.from_bytes(seq_b, "big")):  # (after a RESET)
             peer.tracker.health.old_conn_dropped += 1
             # the old run's, unread when its RESET came: it went with the old run (the socket is
@@ -313,15 +318,7 @@ class Subscriber(RestartDetection, EventSource):
             peer.tracker.health.last_recv_ts = now
             return
         if peer.suspect:  # a reconnect not verified yet: hold, check again; never spill unverified
-            if int.from_bytes(seq_b, "big") <= peer.tracker.live_high:
-                # the seq went backwards: this frame starts a new run, which the tracker RESETs to;
-                # the check is moot (a dead publisher's replay socket would never answer it)
-                peer.tracker.health.old_conn_dropped += peer.explained()
-                self._drop_dealer(peer)
-            elif not peer.tracker.recovering:
-                self._check_reconnect(peer, now)
-            elif len(peer.tracker.pending) >= self.max_pending:
-                self._restart(peer, now, out, verified=False)
+            self._restarts.held(peer, int.from_bytes(seq_b, "big"), now, out)
         hooks = self.hooks
         if hooks is not None:
             t0 = time.time_ns()  # (~50 ns; the seq is not known until after the decode)
@@ -347,7 +344,7 @@ class Subscriber(RestartDetection, EventSource):
         tracker = peer.tracker
         if is_end_marker(frames):
             if peer.checking >= 0 and peer.verdict(None, None) == RESTART:
-                self._restart(peer, now, out)
+                self._restarts.restart(peer, now, out)
                 return
             out.extend(tracker.on_replay_end(now))
             self._drop_dealer(peer)
@@ -364,7 +361,7 @@ class Subscriber(RestartDetection, EventSource):
         if anchor >= 0:
             verdict = peer.verdict(seq, frames[3])
             if verdict == RESTART:
-                self._restart(peer, now, out)
+                self._restarts.restart(peer, now, out)
                 return
             if verdict == MOOT:  # the ring moved on under a lagging subscriber: the probe ends here
                 out.extend(tracker.on_replay_end(now))
