@@ -16,9 +16,12 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
+from typing import Any
 
-__all__ = ["CallgrindUnavailable", "Region", "check_tools", "run_child", "read_dumps", "new_out_dir"]
+__all__ = ["CallgrindUnavailable", "Region", "check_tools", "new_out_dir", "pick_cases", "read_dumps", "require_tools",
+           "run_child"]
 
 _C_SRC = r"""
 #include <valgrind/callgrind.h>
@@ -39,6 +42,24 @@ def check_tools() -> None:
         raise CallgrindUnavailable("no C compiler (cc/gcc) to build the callgrind client-request helper")
     if not os.path.exists("/usr/include/valgrind/callgrind.h"):
         raise CallgrindUnavailable("/usr/include/valgrind/callgrind.h missing (valgrind's development headers)")
+
+
+def require_tools() -> None:
+    """Exit with status 2 and the reason where callgrind cannot run here."""
+    try:
+        check_tools()
+    except CallgrindUnavailable as exc:
+        print(f"callgrind unavailable: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def pick_cases(ap: Any, spec: str, known: Any) -> list[str]:
+    """The comma-separated cases of ``spec``; an unknown one is the parser's error."""
+    cases = [c.strip() for c in spec.split(",") if c.strip()]
+    for c in cases:
+        if c not in known:
+            ap.error(f"unknown case {c!r}; choose from {', '.join(known)}")
+    return cases
 
 
 def _build_helper(dirname: str) -> str:

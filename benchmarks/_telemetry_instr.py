@@ -73,11 +73,7 @@ def main(args, ap, T) -> None:
         args.engine_requests = 8
     if args.instr_child:
         return _child(args, T)
-    try:
-        _callgrind.check_tools()
-    except _callgrind.CallgrindUnavailable as exc:
-        print(f"--instructions unavailable: {exc}", file=sys.stderr)
-        sys.exit(2)
+    _callgrind.require_tools()
     every = args.sample_every
     modes = _modes(args, every)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]

@@ -184,11 +184,7 @@ def main() -> None:
     if args.child:
         return child(args.child, args.n, args.endpoint, args.replay, args.flag, args.events_per_batch,
                      args.out_dir, args.paced)
-    try:
-        _callgrind.check_tools()
-    except _callgrind.CallgrindUnavailable as exc:
-        print(f"unavailable: {exc}", file=sys.stderr)
-        sys.exit(2)
+    _callgrind.require_tools()
     plan = [("kvevents", sys.executable)]
     if os.path.exists(args.peer_python):
         plan.append(("vllm", args.peer_python))

@@ -146,15 +146,8 @@ def main() -> None:
     from benchmarks import _callgrind
     from benchmarks._table import format_table
 
-    try:
-        _callgrind.check_tools()
-    except _callgrind.CallgrindUnavailable as exc:
-        print(f"callgrind unavailable: {exc}", file=sys.stderr)
-        sys.exit(2)
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    for c in cases:
-        if c not in CASES:
-            ap.error(f"unknown case {c!r}; choose from {', '.join(CASES)}")
+    _callgrind.require_tools()
+    cases = _callgrind.pick_cases(ap, args.cases, CASES)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     roots = [("this", here)] + ([("against", args.against)] if args.against else [])
     res = {(name, c): _measure(root, c, args.n, args.blocks, args.timeout) for c in cases for name, root in roots}

@@ -164,10 +164,10 @@ def main() -> None:
     if args.child:
         return child(args.root, args.blocks, args.wall)
     sys.path.insert(0, str(HERE.parent))
-    from benchmarks._callgrind import check_tools, new_out_dir, read_dumps, run_child
+    from benchmarks._callgrind import require_tools, new_out_dir, read_dumps, run_child
     from benchmarks._table import print_table
 
-    check_tools()
+    require_tools()
     out = new_out_dir("kvbench-svc-instr-")
     env = dict(os.environ, PYTHONPATH=args.root)
     rc, tail = run_child(["--instr-atstart=no", sys.executable, __file__, "--child", "--root", args.root, "--blocks", str(args.blocks),

@@ -90,10 +90,10 @@ def main() -> None:
     if args.child:
         return child(args.root, args.child[0], args.child[1] == "raw", args.n)
     sys.path.insert(0, str(HERE.parent))
-    from benchmarks._callgrind import check_tools, new_out_dir, read_dumps, run_child
+    from benchmarks._callgrind import require_tools, new_out_dir, read_dumps, run_child
     from benchmarks._table import format_table
 
-    check_tools()
+    require_tools()
     rows = []
     for mode in ("connect", "bind"):
         for raw in ("raw", "decoded"):

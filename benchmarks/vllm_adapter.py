@@ -87,37 +87,24 @@ def drive_counted(m, make_ctx, requests: list[list[bytes]], region, name: str) -
     start, stop = region.start, region.stop
     for n, keys in enumerate(requests):
         ctx = make_ctx()
-        region.label = f"{name}|empty|{n}"
-        start()
-        stop()
-        region.label = f"{name}|request|{n}"
-        start()
-        m.on_new_request(ctx)
-        stop()
-        region.label = f"{name}|lookup|{n}"
-        start()
-        for k in keys:
-            m.lookup(k, ctx)
-        stop()
-        region.label = f"{name}|store|{n}"
-        start()
-        m.prepare_store(keys, ctx)
-        m.complete_store(keys, ctx)
-        stop()
-        region.label = f"{name}|load|{n}"
-        start()
-        m.prepare_load(keys, ctx)
-        m.complete_load(keys, ctx)
-        stop()
-        region.label = f"{name}|finish|{n}"
-        start()
-        m.on_request_finished(ctx)
-        stop()
-        region.label = f"{name}|step|{n}"
-        start()
-        m.on_schedule_end(None)
-        m.take_events()
-        stop()
+
+        def lookups() -> None:
+            for k in keys:
+                m.lookup(k, ctx)
+
+        for kind, call in (
+            ("empty", lambda: None),
+            ("request", lambda: m.on_new_request(ctx)),
+            ("lookup", lookups),
+            ("store", lambda: (m.prepare_store(keys, ctx), m.complete_store(keys, ctx))),
+            ("load", lambda: (m.prepare_load(keys, ctx), m.complete_load(keys, ctx))),
+            ("finish", lambda: m.on_request_finished(ctx)),
+            ("step", lambda: (m.on_schedule_end(None), m.take_events())),
+        ):
+            region.label = f"{name}|{kind}|{n}"
+            start()
+            call()
+            stop()
 
 
 def _pair():
@@ -153,9 +140,9 @@ def instr_child(requests: int) -> None:
 def bench_instr(requests: int) -> None:
     import os
 
-    from benchmarks._callgrind import check_tools, new_out_dir, read_dumps, run_child
+    from benchmarks._callgrind import require_tools, new_out_dir, read_dumps, run_child
 
-    check_tools()
+    require_tools()
     out = new_out_dir("kvbench-vllm-adapter-")
     rc, tail = run_child(["--instr-atstart=no", sys.executable, __file__, "--instr-child", str(requests)], out,
                          dict(os.environ, PYTHONPATH=str(ROOT)), timeout=1800)
