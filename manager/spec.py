@@ -45,16 +45,16 @@ class OffloadingHandlers:
     host_blocks: int
 
 
-def create_transfer_worker(device_cache: Any, host_rows: Any) -> TransferWorker:
-    """A numpy worker for a numpy array or list of them (torch is not imported), else the
-    torch worker (:func:`manager.transfer.create_transfer_worker`). ``host_rows``: a number
-    of host rows, or host arrays (one per layer)."""
+def create_transfer_worker(device_cache: Any, host_blocks: Any) -> TransferWorker:
+    """A numpy worker for a numpy array or a list of them (torch is not imported), else the
+    torch worker (:func:`manager.transfer.TorchTransferWorker`: CUDA streams or a CPU thread).
+    ``host_blocks``: a number of host blocks, or host arrays/tensors (one per layer)."""
     layers = as_layers(device_cache)
     if layers and isinstance(layers[0], np.ndarray):
-        return NumpyTransferWorker(device_cache, host_rows)
-    from .transfer import create_transfer_worker as torch_worker  # needs torch
+        return NumpyTransferWorker(device_cache, host_blocks)
+    from .transfer import TorchTransferWorker  # needs torch: imported only here
 
-    return torch_worker(device_cache, host_rows)
+    return TorchTransferWorker(device_cache, host_blocks)
 
 
 class OffloadingSpec(ABC):

@@ -52,6 +52,7 @@ from .transfer_base import (
     DuplicateJobError,
     NumpyTransferWorker,
     ShapeMismatchError,
+    LayeredCache,
     ThreadedTransferWorker,
     TransferError,
     TransferResult,
@@ -80,7 +81,6 @@ __all__ = [
     "TransferResult",
     "TransferWorker",
     "WorkerClosedError",
-    "create_transfer_worker",
     "expand_block_ids",
 ]
 
@@ -109,34 +109,15 @@ def _check_device_cache(device_cache: Any) -> None:
         raise ShapeMismatchError("device_cache must be contiguous")
 
 
-def _bytes_per_block(layers: list[tuple["torch.Tensor", "torch.Tensor"]]) -> int:
-    return sum(d[0].numel() * d.element_size() for d, _ in layers) if layers[0][0].shape[0] else 0
-
-
-class _TorchLayers:
-    """The layers of a torch worker: ``device_cache`` / ``host_cache`` name the first."""
-
-    layers: list[tuple["torch.Tensor", "torch.Tensor"]]
-
-    @property
-    def device_cache(self) -> "torch.Tensor":
-        return self.layers[0][0]
-
-    @property
-    def host_cache(self) -> "torch.Tensor":
-        return self.layers[0][1]
-
-
 def _byte_rows(t: "torch.Tensor") -> np.ndarray:
     return t.view(t.shape[0], -1).view(torch.uint8).numpy()
 
 
-class _CpuTorchWorker(_TorchLayers, ThreadedTransferWorker):
+class _CpuTorchWorker(LayeredCache, ThreadedTransferWorker):
     def __init__(self, layers: list[tuple["torch.Tensor", "torch.Tensor"]]) -> None:
-        self.layers = layers
         super().__init__(layers[0][0].shape[0], layers[0][1].shape[0], name="kv-transfer-torch")
+        self._take_layers(layers)
         self._bytes = [(_byte_rows(d), _byte_rows(h)) for d, h in layers]
-        self.bytes_per_block = _bytes_per_block(layers)
 
     def _copy(self, job: _Job) -> None:
         # byte views of both buffers: one memcpy per contiguous run of ids (index_select +
@@ -204,12 +185,11 @@ def host_rows_on_device(host_rows: "torch.Tensor", device: "torch.device") -> "t
     return view
 
 
-class _CudaTorchWorker(_TorchLayers, TransferWorker):
+class _CudaTorchWorker(LayeredCache, TransferWorker):
     def __init__(self, layers: list[tuple["torch.Tensor", "torch.Tensor"]], *, copy_mode: str = "auto",
                  dma_min_run_bytes: int = 4 << 20) -> None:
         super().__init__(layers[0][0].shape[0], layers[0][1].shape[0])
-        self.layers = layers
-        self.bytes_per_block = _bytes_per_block(layers)
+        self._take_layers(layers)
         dev = layers[0][0].device
         self._device = dev
         self._streams = {LOAD: torch.cuda.Stream(device=dev), STORE: torch.cuda.Stream(device=dev)}
@@ -343,11 +323,3 @@ def TorchTransferWorker(device_cache: "torch.Tensor", host_blocks: "int | torch.
     if device.type != "cpu":
         raise TransferError(f"unsupported device {device} (cuda or cpu)")
     return _CpuTorchWorker(layers)
-
-
-def create_transfer_worker(device_cache: Any, host_blocks: Any) -> TransferWorker:
-    """A torch worker for a tensor, a numpy worker for a numpy array (or a list of either)."""
-    layers = as_layers(device_cache)
-    if layers and isinstance(layers[0], np.ndarray):
-        return NumpyTransferWorker(device_cache, host_blocks)
-    return TorchTransferWorker(device_cache, host_blocks)

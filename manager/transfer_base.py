@@ -346,7 +346,28 @@ class ThreadedTransferWorker(TransferWorker):
         self._thread.join(timeout)
 
 
-class NumpyTransferWorker(ThreadedTransferWorker):
+class LayeredCache:
+    """What a worker over a KV cache given as layers knows of it: ``layers`` ``[(device layer,
+    host layer), ...]`` (see :func:`layer_pairs`), ``device_cache`` / ``host_cache`` the first
+    (or only) layer's, ``bytes_per_block`` a block's bytes over every layer."""
+
+    layers: list[tuple[Any, Any]]
+    bytes_per_block: int
+
+    def _take_layers(self, layers: list[tuple[Any, Any]]) -> None:
+        self.layers = layers
+        self.bytes_per_block = sum(int(d[0].nbytes) for d, _ in layers) if layers[0][0].shape[0] else 0
+
+    @property
+    def device_cache(self) -> Any:
+        return self.layers[0][0]
+
+    @property
+    def host_cache(self) -> Any:
+        return self.layers[0][1]
+
+
+class NumpyTransferWorker(LayeredCache, ThreadedTransferWorker):
     """Copies between numpy arrays ``[num_blocks, ...]``; needs no torch.
 
     ``device_cache`` is one array or a list of *layers* (arrays with the same number of
@@ -360,19 +381,9 @@ class NumpyTransferWorker(ThreadedTransferWorker):
         for d in as_layers(device_cache):
             if not isinstance(d, np.ndarray) or d.ndim < 1:
                 raise ShapeMismatchError("device_cache must be a numpy array shaped [num_blocks, ...] (or a list of them)")
-        self.layers = layer_pairs(device_cache, host_cache, make_host)
-        super().__init__(self.layers[0][0].shape[0], self.layers[0][1].shape[0], name="kv-transfer-numpy")
-        self.bytes_per_block = sum(int(d[0].nbytes) for d, _ in self.layers) if self.num_device_blocks else 0
-
-    @property
-    def device_cache(self) -> np.ndarray:
-        """The (first) layer's device array."""
-        return self.layers[0][0]
-
-    @property
-    def host_cache(self) -> np.ndarray:
-        """The (first) layer's host array."""
-        return self.layers[0][1]
+        layers = layer_pairs(device_cache, host_cache, make_host)
+        super().__init__(layers[0][0].shape[0], layers[0][1].shape[0], name="kv-transfer-numpy")
+        self._take_layers(layers)
 
     def _copy(self, job: _Job) -> None:
         for dev, host in self.layers:

@@ -22,9 +22,9 @@ from manager.transfer import (  # noqa: E402
     TorchTransferWorker,
     TransferError,
     WorkerClosedError,
-    create_transfer_worker,
     expand_block_ids,
 )
+from manager.spec import create_transfer_worker  # noqa: E402
 from manager.transfer_base import contiguous_runs  # noqa: E402
 
 DEVICES = [
