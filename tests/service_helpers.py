@@ -48,15 +48,16 @@ class Http:
         return self.json("POST", path, body, **kw)
 
 
-def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
-    """Poll ``pred`` (no fixed sleeps as synchronisation: the deadline only bounds a failure)."""
+def wait_for(pred, timeout: float = 10.0, what="condition"):
+    """Poll ``pred`` (no fixed sleeps as synchronisation: the deadline only bounds a failure).
+    ``what`` names the condition: a string, or a callable giving it at the failure (state then)."""
     deadline = time.monotonic() + timeout
     while True:
         v = pred()
         if v:
             return v
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
         time.sleep(0.01)
 
 

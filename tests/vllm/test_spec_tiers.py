@@ -13,7 +13,6 @@ import importlib.util
 import os
 import sys
 import threading
-import time
 import types
 
 import numpy as np
@@ -21,6 +20,8 @@ import pytest
 
 from manager.base import LookupResult, NumpyBlockIO, ReqContext, make_offload_key
 from manager.spec_cpu import CPUOffloadingSpec
+
+from ..service_helpers import wait_for
 
 if importlib.util.find_spec("vllm_kvblockd") is None:
     if os.environ.get("KVEVENTS_REQUIRE_VLLM") == "1":  # the real-engine run (tests/vllm/setup-venv.sh installs it)
@@ -129,18 +130,17 @@ def K(i: int) -> bytes:
 
 
 def until(pred, m, what: str, timeout: float = 120.0):
-    """Step the manager (end a scheduler step, wait for the tier's jobs) until ``pred()``; the
-    deadline only bounds a failure (the tier answers EXISTS on its own thread)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """:func:`wait_for` with the manager stepped between looks (a scheduler step ended, the
+    tier's jobs waited for): the tier answers EXISTS on its own thread."""
+
+    def stepped():
         v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never: {what}; tiering manager {m.stats()}")
-        m.on_schedule_end()
-        m.drain_jobs(timeout=10)
-        threading.Event().wait(0.001)
+        if not v:
+            m.on_schedule_end()
+            m.drain_jobs(timeout=10)
+        return v
+
+    return wait_for(stepped, timeout, lambda: f"{what}; tiering manager {m.stats()}")
 
 
 def test_kvblockd_tier_stores_evicts_and_loads_back(server):
