@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
+import secrets
 import ssl
 import time
 from typing import Annotated
@@ -148,6 +150,8 @@ class Proxy:
         try:
             if not raw.isascii():
                 raw.decode("utf-8")  # the pod gets these exact bytes: never invalid UTF-8
+            if not chat and (found := _token_prompt(raw)) is not None:
+                return found
             body = _BODY.decode(raw)
         except msgspec.ValidationError:
             try:
@@ -389,6 +393,39 @@ class Proxy:
 
         return proxy_metric_lines(self)
 
+
+def _token_prompt(raw: bytes) -> tuple[_Body, object] | None:
+    """The common completion body — a top-level ``"prompt"`` that is one flat array of token ids —
+    read in one pass: the ids in C straight from the body, the rest (without the array) by
+    msgspec. None for any other shape (then the whole body is decoded, which names any error).
+
+    The array found by its key is cut out and replaced by a string only this process knows; the
+    key was the top-level prompt exactly when msgspec then reads that string as the prompt (a
+    ``"prompt"`` inside another value, or a second one, leaves another value there). Both parts are
+    checked: the ids by the C reader (ints only), everything else by msgspec."""
+    m = _PROMPT_AT.search(raw)
+    if m is None or json_tokens is None:
+        return None
+    start = m.end() - 1
+    stop = raw.find(b"]", start) + 1  # a flat array of ints holds no other ']'
+    if not stop:
+        return None
+    ids = json_tokens(memoryview(raw)[start:stop])
+    if ids is None or not len(ids):
+        return None
+    try:
+        body = _BODY.decode(b"".join((raw[:start], _PLACEHOLDER, raw[stop:])))
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if body.prompt != _PLACEHOLDER_RAW or not isinstance(body.model, str):
+        return None
+    return body, ids
+
+
+#: where a body's ``"prompt": [`` is (its key, then the array's first byte)
+_PROMPT_AT = re.compile(rb'"prompt"[ \t\r\n]*:[ \t\r\n]*\[')
+_PLACEHOLDER = b'"kvevents-prompt-' + secrets.token_hex(12).encode() + b'"'
+_PLACEHOLDER_RAW = msgspec.Raw(_PLACEHOLDER)
 
 _PROMPT_ERROR = "prompt must be a non-empty string or array of token ids (ints in [0, 2^32)), or a batch of them"
 
