@@ -6,7 +6,7 @@ Why: aiohttp costs ~70 us of the one event loop per request on this machine (req
 header multidict, router, middleware, response object, stream writer) where the score itself
 costs ~20 us; at 16 closed-loop clients that stack is most of the latency. This protocol reads
 a request's head with a few ``bytes`` operations and answers the common, well-formed case
-itself, synchronously, in one ``transport.write``:
+itself, in one ``transport.write``:
 
 * ``POST /v1/score`` or ``/v1/pick``, ``HTTP/1.1``, one ``Content-Length`` within
   ``api.max_body_bytes``, no ``Transfer-Encoding``/``Expect``/``Upgrade``, ``Connection``
@@ -14,14 +14,17 @@ itself, synchronously, in one ``transport.write``:
   type, the bearer token when one is required, and a body the API answers without awaiting
   anything (``token_ids``, not ``prompt``/``messages``, which need the tokenizer).
 
-**One grammar.** Every request head is checked against what aiohttp's own parser (llhttp,
-strict) accepts, before anything is answered: CR and LF only as CRLF, no control character but
-HTAB, header names that are tokens, exactly one ``Host`` (HTTP/1.1), one decimal
-``Content-Length``, not both it and ``Transfer-Encoding``. A head that breaks one of these rules
-is answered 400 here, naming the rule (counted under route ``malformed``; aiohttp refuses the
-same bytes: ``tests/test_service_http_grammar.py`` feeds both the same corpus). A head this
-reader cannot vouch for (another HTTP version, a chunked or upgraded request, ``Expect``...)
-goes to aiohttp unread, and the connection stays with aiohttp's parser ("opaque").
+**One grammar** (:mod:`kvservice.http_head`): a head that breaks a rule aiohttp's parser also
+enforces is answered 400 here, naming the rule; one this reader cannot vouch for (another HTTP
+version, a chunked or upgraded request, ``Expect``...) goes to aiohttp unread, and the
+connection stays with aiohttp's parser ("opaque").
+
+**The proxy** (``--proxy``): ``POST /v1/completions`` and ``/v1/chat/completions`` of the same
+common shape are served by a task per request (:meth:`kvservice.proxy.Proxy.serve`, answering
+on this transport through :class:`kvservice.proxy_exchange.FastExchange`); requests that arrive
+behind it on the connection are held (counted in ``max_buffered_bytes``) and read once it is
+answered, so answers keep their order. A client that hangs up cancels it. While it runs, the
+connection is not idle: the proxy's own timeouts bound it.
 
 **Hand-off.** Anything else — another route, a wrong token, a body that fails to decode or
 validate, a prompt to tokenize — is given to aiohttp's protocol (one per connection, made on the
@@ -51,73 +54,31 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import re
+import logging
 import time
-from email.utils import formatdate
 
 from aiohttp import web
 
+from .http_head import BROKEN, HEAD, DateHeader, broken, misfit
 from .http_limits import Bounds, HttpConfig
+from .proxy_exchange import JSON_HEADERS, FastExchange
 from .schema import error_body
 
 __all__ = ["FastHttp", "FastSite"]
 
+log = logging.getLogger("kvservice")
+
 _OK_TYPES = frozenset({b"application/json", b"application/octet-stream", b""})
-#: bytes a head may hold: HTAB, CR, LF (as CRLF, checked apart), visible ASCII, SP, obs-text
-_TEXT = bytes([9, 10, 13, *range(0x20, 0x7F), *range(0x80, 0x100)])
 _PROBES = (b"/healthz", b"/readyz")
+#: the proxy's routes (``--proxy``), answered by a task per request (kvservice.proxy)
+_PROXIED = frozenset({"/v1/completions", "/v1/chat/completions"})
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large", 431: "Request Header Fields Too Large",
             503: "Service Unavailable"}
-_BROKEN = "a bare CR or LF, or a control character, in the request head"
-_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-#: the common shape of a head (without its blank line), every rule of the grammar in one match:
-#: method, origin-form target, version, and the header lines (each CRLF-led: a token name, ':',
-#: a value of HTAB, visible ASCII, SP and obs-text)
-_HEAD = re.compile(rb"([A-Z]+) (/[\x21-\x7e]*) (HTTP/1\.[01])((?:\r\n" + _TOKEN + rb":[\t\x20-\x7e\x80-\xff]*)*)")
-_NAME = re.compile(_TOKEN)
-
-
-def _misfit(head: bytes) -> str | None:
-    """Why a head off :data:`_HEAD`'s shape is refused (aiohttp's parser refuses it too), or None:
-    aiohttp's parser is to judge it (another request-line form)."""
-    if _broken(head):
-        return _BROKEN
-    for line in head.split(b"\r\n")[1:]:
-        name, sep, _value = line.partition(b":")
-        if not sep or not _NAME.fullmatch(name):
-            return "a malformed header line (no ':', or whitespace or a separator in the name, or a folded line)"
-    return None
-
-
-def _broken(part) -> bool:
-    """Part of a head, from a line's start or a pending CR: a control character but HTAB, or a
-    CR/LF not in a CRLF (a CR at the end may still get its LF)."""
-    crlf = part.count(b"\r\n")
-    return bool(part.translate(None, _TEXT)) or part.count(b"\n") != crlf or part.count(b"\r") - crlf > part.endswith(b"\r")
-
-
-class _Date:
-    """The ``Date`` header, formatted once a second."""
-
-    __slots__ = ("sec", "value")
-
-    def __init__(self) -> None:
-        self.sec = -1
-        self.value = b""
-
-    def get(self) -> bytes:
-        now = int(time.time())
-        if now != self.sec:
-            self.sec = now
-            self.value = formatdate(now, usegmt=True).encode()
-        return self.value
-
-
 class FastHttp(asyncio.Protocol):
     """One client connection: hot routes answered here, the rest framed and handed to aiohttp."""
 
     __slots__ = ("site", "transport", "buf", "need", "paused", "proto", "opaque", "nreq", "nin", "held",
-                 "reserve", "seen", "since", "cont")
+                 "reserve", "seen", "since", "cont", "task", "blocked", "waiter")
 
     def __init__(self, site: "FastSite") -> None:
         self.site = site
@@ -134,6 +95,9 @@ class FastHttp(asyncio.Protocol):
         self.seen = None  #: (phase, progress) at the last sweep that saw it change
         self.since = 0.0
         self.cont = -1  #: ``nreq`` when "100 Continue" was last written (Expect: 100-continue)
+        self.task: asyncio.Task | None = None  #: the proxied request in flight (later ones wait in ``buf``)
+        self.blocked = False  #: the transport's buffer is over its high-water mark (the client does not read)
+        self.waiter: asyncio.Future | None = None  #: a proxied answer's writer, waiting for ``blocked`` to clear
 
     # ---- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -144,10 +108,14 @@ class FastHttp(asyncio.Protocol):
         self.site.bounds.drop(self)
         self._hold(0)
         self.transport = None
+        self._unblock(ConnectionResetError("the client closed the connection"))
+        if self.task is not None:
+            self.task.cancel()  # the client hung up: its proxied request is cancelled (and so the pod's work)
         if self.proto is not None:
             self.proto.connection_lost(exc)
 
     def pause_writing(self) -> None:  # the client does not read: stop reading its requests
+        self.blocked = True
         if self.proto is not None:
             self.proto.pause_writing()
         elif not self.paused and self.transport is not None:
@@ -155,11 +123,27 @@ class FastHttp(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
+        self._unblock(None)
         if self.proto is not None:
             self.proto.resume_writing()
         elif self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
+
+    def _unblock(self, exc: BaseException | None) -> None:
+        self.blocked = False
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_exception(exc) if exc is not None else w.set_result(None)
+
+    async def drain(self) -> None:
+        """Until the client has read enough of what was written (a proxied answer's flow control)."""
+        if self.blocked:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
 
     def eof_received(self) -> bool:
         return False  # close; a request cut short is not answered (nothing to answer it with)
@@ -169,6 +153,9 @@ class FastHttp(asyncio.Protocol):
             self.nin += len(data)
             return self.proto.data_received(data)
         buf = self.buf
+        if self.task is not None:  # pipelined behind a proxied request: read once it is answered
+            buf += data
+            return self._hold(len(buf))
         if buf:
             buf += data
             if len(buf) < self.need:
@@ -188,12 +175,12 @@ class FastHttp(asyncio.Protocol):
             if he < 0:
                 if n - pos > cap:
                     return self._refuse(431, "head_too_large", f"the request head is over http.max_head_bytes ({cap})")
-                if _broken(data[pos:]):
-                    return self._bad(data, pos, _BROKEN)
+                if broken(data[pos:]):
+                    return self._bad(data, pos, BROKEN)
                 break
-            m = _HEAD.fullmatch(data, pos, he)
+            m = HEAD.fullmatch(data, pos, he)
             if m is None:  # off the common shape: a rule broken (400), or for aiohttp's parser to judge
-                why = _misfit(data[pos:he])
+                why = misfit(data[pos:he])
                 return self._bad(data, pos, why) if why else self._opaque(data[pos:])
             method, target, version, block = m.groups()
             length = -1
@@ -258,12 +245,22 @@ class FastHttp(asyncio.Protocol):
                 break
             self.nreq += 1
             route = site.routes.get(target) if fast and self.proto is None else None
-            if route is not None and method == b"POST" and version == b"HTTP/1.1" and (
-                    not ctype or ctype.partition(b";")[0].strip().lower() in _OK_TYPES):
+            if route is not None and method == b"POST" and version == b"HTTP/1.1":
                 token = site.token
                 if token is None or (auth is not None and auth.startswith(b"Bearer ")
                                      and hmac.compare_digest(auth[7:].strip(), token)):
-                    answer = site.answer(route, memoryview(data)[he + 4:end], close)  # the body, not copied
+                    if route in _PROXIED:  # answered by the proxy's task; later requests wait for it
+                        self.task = site.loop.create_task(self._proxied(route, data[he + 4:end], lines, close))
+                        if end < n:
+                            buf += data[end:]
+                            self._hold(len(buf))
+                        elif self.held:
+                            self._hold(0)
+                        return
+                    if ctype and ctype.partition(b";")[0].strip().lower() not in _OK_TYPES:
+                        answer = None
+                    else:
+                        answer = site.answer(route, memoryview(data)[he + 4:end], close)  # the body, not copied
                     if answer is not None:
                         self.transport.write(answer)
                         if close:
@@ -286,9 +283,48 @@ class FastHttp(asyncio.Protocol):
         if len(buf) > self.site.max_head:
             return self._refuse(431, "head_too_large", f"the request head is over http.max_head_bytes "
                                 f"({self.site.max_head})")
-        if _broken(buf[old - 1 if old and buf[old - 1] == 13 else old:]):  # a CR left pending: judged now
-            return self._bad(bytes(buf), 0, _BROKEN)
+        if broken(buf[old - 1 if old and buf[old - 1] == 13 else old:]):  # a CR left pending: judged now
+            return self._bad(bytes(buf), 0, BROKEN)
         self._hold(len(buf))
+
+    # ---- the proxy ---------------------------------------------------------------------------
+    async def _proxied(self, route: str, body: bytes, lines: list, close: bool) -> None:
+        """A proxied request (kvservice.proxy), answered on this connection; then the requests
+        that arrived behind it."""
+        site = self.site
+        api = site.api
+        t0 = time.perf_counter()
+        ex = FastExchange(self, lines, close)
+        status = 500
+        try:
+            await api.proxy.serve(ex, body, route == "/v1/chat/completions")
+            status = ex.status
+        except asyncio.CancelledError:  # the client hung up: its own abort (499), as on aiohttp's side
+            status = 499
+            raise
+        except Exception:  # noqa: BLE001 — never a traceback to the client
+            api.internal_errors += 1
+            log.exception("internal error on POST %s (counted)", route)
+            if ex.status:
+                ex.abort()  # the answer had started: cut, not ended cleanly
+            else:
+                ex.whole(500, JSON_HEADERS, error_body(500, "internal error (logged on the server)", None,
+                                                       "internal_error"))
+        finally:
+            self.task = None
+            api.metrics.observe(route, "POST", status, time.perf_counter() - t0)
+        t = self.transport
+        if t is None:
+            return
+        if close:
+            t.close()  # after the answer is flushed; what followed is not read
+            self.buf.clear()
+            return self._hold(0)
+        if self.buf:  # requests pipelined behind this one, in order
+            data = bytes(self.buf)
+            self.buf.clear()
+            self._hold(0)
+            self.data_received(data)
 
     # ---- hand-off ----------------------------------------------------------------------------
     def _aio(self):
@@ -387,13 +423,16 @@ class FastSite(web.TCPSite):
         self.max_head = self.bounds.max_head
         self.token = api.token.encode() if api.token is not None else None
         self.routes = {b"/v1/score": "/v1/score", b"/v1/pick": "/v1/pick"} if fast else {}
+        if fast and api.proxy is not None:
+            self.routes.update((r.encode(), r) for r in _PROXIED)
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.slow = None  # aiohttp's protocol factory (web.Server), set by start()
-        self._date = _Date()
+        self._date = DateHeader()
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with the runner
         self.slow = self._runner.server
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: FastHttp(self), self._host, self._port,
                                                 backlog=self._backlog, reuse_address=self._reuse_address,
                                                 reuse_port=self._reuse_port)
@@ -406,6 +445,10 @@ class FastSite(web.TCPSite):
         for c in list(self.bounds.conns):  # aiohttp closes the handed-off ones itself
             if c.transport is not None and c.proto is None:
                 c.transport.close()
+
+    def date(self) -> bytes:
+        """The ``Date`` header's value (formatted once a second)."""
+        return self._date.get()
 
     def answer(self, route: str, body: bytes | memoryview, close: bool = False) -> bytes | None:
         """The whole HTTP answer for a hot route, or None to hand the request to aiohttp."""

@@ -116,6 +116,8 @@ class Bounds:
         try:
             for c in list(self.conns):
                 t = c.transport
+                if c.task is not None:
+                    continue  # a proxied request in flight: the proxy's own timeouts bound it
                 if c.opaque:
                     key = (3, c.nin)
                 elif c.buf:

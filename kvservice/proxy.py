@@ -33,11 +33,11 @@ from urllib.parse import urlsplit
 
 import msgspec
 from aiohttp import web
-from multidict import CIMultiDict
 
 from consumers.keys import json_tokens
 
 from .proxy_config import ProxyConfig
+from .proxy_exchange import JSON_HEADERS, AioExchange
 from .proxy_policy import Admission, Affinity, Overloaded, PodState, RetryBudget, backoff, order_pods
 from .proxy_upstream import Answer, Pool, UpstreamError
 from .schema import ApiError, error_body
@@ -138,10 +138,23 @@ class Proxy:
 
     # ---- routes ----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, chat=False)
+        return await self._aio(request, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, chat=True)
+        return await self._aio(request, chat=True)
+
+    async def _aio(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        """A request aiohttp parsed (the lean front's others: kvservice.fasthttp)."""
+        ex = AioExchange(request)
+        await self.serve(ex, await request.read(), chat)
+        return ex.response
+
+    async def serve(self, ex, raw: bytes, chat: bool) -> None:
+        """One proxied request (``ex``: its client side, kvservice.proxy_exchange), answered."""
+        try:
+            await self._handle(ex, raw, chat)
+        except ApiError as exc:
+            ex.whole(exc.status, JSON_HEADERS, error_body(exc.status, str(exc), exc.field, exc.kind))
 
     def _parse(self, raw: bytes, chat: bool) -> tuple[_Body, object]:
         """The body's fields, and the token ids (an array, from C) or the text/messages to tokenize."""
@@ -188,8 +201,7 @@ class Proxy:
         finally:
             self.tokenize_s += time.perf_counter() - t0
 
-    async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        raw = await request.read()
+    async def _handle(self, ex, raw: bytes, chat: bool) -> None:
         try:
             body, what = self._parse(raw, chat)
         except ApiError:
@@ -209,21 +221,21 @@ class Proxy:
             try:
                 await adm.enter()
             except Overloaded as exc:
-                return self._refuse(exc.reason)
+                return self._refuse(ex, exc.reason)
         try:
-            return await self._route(request, raw, body, model, pods, tokens, chat)
+            await self._route(ex, raw, body, model, pods, tokens, chat)
         finally:
             adm.leave()
 
-    def _refuse(self, reason: str) -> web.Response:
+    def _refuse(self, ex, reason: str) -> None:
         c = self.cfg
         msg = (f"the proxy is at its limit of {c.max_concurrency} requests in flight and {c.max_queue} waiting"
                if reason == "queue_full" else
                f"no slot within proxy.queue_timeout ({c.queue_timeout:g} s); {c.max_concurrency} requests in flight")
-        return web.Response(body=error_body(c.overload_status, msg, None, "overloaded"), status=c.overload_status,
-                            content_type="application/json", headers={"Retry-After": str(c.retry_after)})
+        ex.whole(c.overload_status, [*JSON_HEADERS, ("Retry-After", str(c.retry_after))],
+                 error_body(c.overload_status, msg, None, "overloaded"))
 
-    async def _route(self, request, raw: bytes, body: _Body, model: str, pods: list[PodState], tokens, chat: bool):
+    async def _route(self, ex, raw: bytes, body: _Body, model: str, pods: list[PodState], tokens, chat: bool):
         cfg = self.cfg
         now = time.monotonic()
         matched: dict[str, int] = {}
@@ -237,7 +249,7 @@ class Proxy:
         order = order_pods(pods, len(tokens), matched, cfg, self.rnd, now)
         session = None
         if self.affinity is not None and order:
-            session = request.headers.get(cfg.affinity_header)
+            session = ex.header(cfg.affinity_header)
             pinned = self.affinity.get(session) if session else None
             if pinned is not None:
                 least = min(p.in_flight for p in order)
@@ -251,12 +263,11 @@ class Proxy:
         if not order:
             self.no_pod += 1
             wait = min((p.open_until for p in pods), default=now) - now
-            return web.Response(
-                body=error_body(503, f"model {model!r}: every pod's circuit breaker is open", "model", "no_pod"),
-                status=503, content_type="application/json", headers={"Retry-After": str(max(1, round(wait)))})
-        passed = [f"{k}: {v}\r\n" for k, v in request.headers.items() if k.lower() in _PASS]
-        if self.forward_authorization and "Authorization" in request.headers:
-            passed.append(f"Authorization: {request.headers['Authorization']}\r\n")
+            return ex.whole(503, [*JSON_HEADERS, ("Retry-After", str(max(1, round(wait))))],
+                            error_body(503, f"model {model!r}: every pod's circuit breaker is open", "model", "no_pod"))
+        passed = [f"{k}: {v}\r\n" for k, v in ex.items() if k.lower() in _PASS]
+        if self.forward_authorization and (auth := ex.header("Authorization")) is not None:
+            passed.append(f"Authorization: {auth}\r\n")
         headers = "".join(passed).encode("utf-8", "surrogateescape")
         last = ""
         tried = 0
@@ -273,19 +284,18 @@ class Proxy:
             decision = {"x-kvevents-pod": pod.name, "x-kvevents-matched-tokens": str(matched.get(pod.name, 0)),
                         "x-kvevents-attempts": str(tried)}
             try:
-                resp = await self._attempt(request, pod, self._lines[pod.name, chat] + headers, raw, decision,
+                await self._attempt(ex, pod, self._lines[pod.name, chat] + headers, raw, decision,
                                            len(tokens))
             except _Retry as exc:
                 last = f"{pod.name}: {exc}"
                 continue
             if session:
                 self.affinity.set(session, pod.name)
-            return resp
-        return _error(502, f"model {model!r}: no pod could take the request ({tried} tried; last: {last})",
+            return
+        _error(ex, 502, f"model {model!r}: no pod could take the request ({tried} tried; last: {last})",
                       "upstream_error")
 
-    async def _attempt(self, request, pod: PodState, head: bytes, raw: bytes, decision: dict,
-                       n_tokens: int) -> web.StreamResponse:
+    async def _attempt(self, ex, pod: PodState, head: bytes, raw: bytes, decision: dict, n_tokens: int) -> None:
         pod.in_flight += 1
         pod.prefill += n_tokens
         prefill = n_tokens
@@ -301,7 +311,7 @@ class Proxy:
                 if exc.safe:
                     raise _Retry(str(exc)) from None
                 timeout = exc.kind.endswith("timeout")
-                return _error(504 if timeout else 502, f"pod {pod.name!r}: {exc}; not retried (it may be running it)",
+                return _error(ex, 504 if timeout else 502, f"pod {pod.name!r}: {exc}; not retried (it may be running it)",
                               "upstream_timeout" if timeout else "upstream_error", decision)
             pod.prefill -= prefill
             prefill = 0
@@ -311,7 +321,7 @@ class Proxy:
             if status in c.retry_statuses:
                 self._count(pod, "status_5xx" if status >= 500 else "retry_status")
                 raise _Retry(f"answered {status}")
-            return await self._relay(request, answer, pod, decision)
+            await self._relay(ex, answer, pod, decision)
         except asyncio.CancelledError:  # the client hung up while the pod worked: cancel it there
             self._count(pod, "client_abort")
             raise
@@ -322,15 +332,15 @@ class Proxy:
             if answer is not None:
                 answer.finish()  # read to its end: the connection stays warm; else closed (the pod stops)
 
-    async def _relay(self, request, answer: Answer, pod: PodState, decision: dict):
-        out_headers = CIMultiDict((k, v) for k, v in answer.headers if k.lower() not in _DROP)
-        out_headers.update(decision)
+    async def _relay(self, ex, answer: Answer, pod: PodState, decision: dict) -> None:
+        out_headers = [(k, v) for k, v in answer.headers if (lk := k.lower()) not in _DROP and lk not in decision]
+        out_headers += decision.items()
         streaming = answer.header("content-type").startswith("text/event-stream")
         length = answer.length
         cap = self.cfg.max_answer_bytes
         if not streaming and length is not None and length > cap:
             self._count(pod, "too_large")
-            return _error(502, f"pod {pod.name!r}'s answer is {length} bytes, over proxy.max_answer_bytes ({cap})",
+            return _error(ex, 502, f"pod {pod.name!r}'s answer is {length} bytes, over proxy.max_answer_bytes ({cap})",
                           "answer_too_large", decision)
         if length is not None and length <= _WHOLE and not streaming:
             # a small answer (the common JSON one): read whole, written with its head in one send
@@ -339,16 +349,14 @@ class Proxy:
             except UpstreamError as exc:
                 self._count(pod, "cut_midstream")
                 log.warning("pod %r cut its answer: %s", pod.name, exc)
-                return _error(502, f"pod {pod.name!r} cut its answer short ({exc})", "upstream_cut", decision)
+                return _error(ex, 502, f"pod {pod.name!r} cut its answer short ({exc})", "upstream_cut", decision)
             self._count(pod, "status_5xx" if answer.status >= 500 else "ok")
-            return web.Response(body=data, status=answer.status, headers=out_headers)
-        resp = web.StreamResponse(status=answer.status, headers=out_headers)
-        if length is not None and not streaming:
-            resp.content_length = length
+            return ex.whole(answer.status, out_headers, data)
         wt = self.cfg.client_write_timeout
         sent = 0
         try:
-            await resp.prepare(request)
+            async with asyncio.timeout(wt):
+                await ex.start(answer.status, out_headers, length if not streaming else None)
             while True:
                 try:
                     chunk = await answer.chunk()
@@ -358,11 +366,11 @@ class Proxy:
                     if streaming:  # the client learns it from the stream, not from a clean end
                         msg = f"pod {pod.name!r} cut the stream: {exc}"
                         async with asyncio.timeout(wt):
-                            await resp.write(b"data: " + error_body(502, msg, None, "upstream_cut") + b"\n\n")
-                            await resp.write_eof()
+                            await ex.write(b"data: " + error_body(502, msg, None, "upstream_cut") + b"\n\n")
+                            await ex.end()
                     else:
-                        _abort(request)
-                    return resp
+                        ex.abort()
+                    return
                 if not chunk:
                     break
                 sent += len(chunk)
@@ -370,18 +378,15 @@ class Proxy:
                     self._count(pod, "too_large")
                     log.warning("pod %r: answer over proxy.max_answer_bytes (%d); the client's connection is cut",
                                 pod.name, cap)
-                    _abort(request)
-                    return resp
+                    return ex.abort()
                 async with asyncio.timeout(wt):
-                    await resp.write(chunk)
+                    await ex.write(chunk)
             async with asyncio.timeout(wt):
-                await resp.write_eof()
+                await ex.end()
         except (ConnectionError, TimeoutError):
             self._count(pod, "client_abort")  # the client's doing: the pod's health is untouched
-            _abort(request)
-            return resp
+            return ex.abort()
         self._count(pod, "status_5xx" if answer.status >= 500 else "ok")
-        return resp
 
     # ---- status ----------------------------------------------------------------------------
     def down_pods(self) -> set[str]:
@@ -464,12 +469,6 @@ def _raw_value(raw: msgspec.Raw) -> object:
     return _ANY.decode(raw)  # already checked by the body's decode: cannot fail
 
 
-def _abort(request: web.Request) -> None:
-    t = request.transport
-    if t is not None:
-        t.abort()  # no clean end: the client sees the answer cut
-
-
-def _error(status: int, message: str, kind: str, headers: dict | None = None) -> web.Response:
-    return web.Response(body=error_body(status, message, None, kind), status=status, content_type="application/json",
-                        headers=headers)
+def _error(ex, status: int, message: str, kind: str, headers: dict | None = None) -> None:
+    ex.whole(status, [*JSON_HEADERS, *headers.items()] if headers else JSON_HEADERS,
+             error_body(status, message, None, kind))

@@ -124,12 +124,15 @@ def _closed_port() -> int:
     return port
 
 
-@pytest.fixture
-def start(tmp_path):
+@pytest.fixture(params=[True, False], ids=["lean-front", "aiohttp-front"])
+def start(tmp_path, request):
+    """The service with the proxy; every test runs on both client fronts (kvservice.fasthttp
+    answers the common request itself; aiohttp the rest, e.g. with ``api.fast_path`` off)."""
     made: list = []
 
     def go(urls: list[str], api: dict | None = None, **proxy):
-        cfg = {"router": {"model": MODEL}, "api": {"port": 0, "proxy": True, "upstream_timeout": 5.0, **(api or {})},
+        cfg = {"router": {"model": MODEL},
+               "api": {"port": 0, "proxy": True, "upstream_timeout": 5.0, "fast_path": request.param, **(api or {})},
                **({"proxy": proxy} if proxy else {}),
                "pods": [{"name": f"p{i}", "endpoint": f"ipc://{tmp_path}/p{i}.pub", "http": u}
                         for i, u in enumerate(urls)]}
