@@ -12,6 +12,7 @@ from manager import CPUOffloadingManager, LookupResult, OffloadingEvent, ReqCont
 from manager.admission import RepeatOfferAdmission
 from manager.spec_cpu import CPUOffloadingSpec
 from manager.telemetry import observe_manager
+from manager.tiering import ExampleSecondaryTierManager, TieringOffloadingManager
 from manager.wire import offload_events_to_kv_events
 
 CTX = ReqContext("r")
@@ -163,3 +164,6 @@ def test_the_cpu_spec_builds_its_tier_with_the_admission_settings() -> None:
         CPUOffloadingSpec(4, store_threshold=2, max_tracker_size=0)
     with pytest.raises(ConfigError, match="store_threshold >= 2 cannot be used with secondary_tiers"):
         CPUOffloadingSpec(4, store_threshold=2, secondary_tiers=[{"type": "example"}])
+    with pytest.raises(ConfigError, match="^TieringOffloadingManager: a primary with store_threshold >= 2 cannot"):
+        TieringOffloadingManager(CPUOffloadingManager(4, store_threshold=2), [ExampleSecondaryTierManager()])
+    assert TieringOffloadingManager(CPUOffloadingManager(4, store_threshold=2), []).primary.admission is not None
