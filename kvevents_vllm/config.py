@@ -6,6 +6,8 @@ it); ours live under one key, ``"kvevents"``::
     {"spec_name": "KVEventsOffloadingSpec",
      "cpu_bytes_to_use": 268435456,          # vLLM's key: the CPU tier's size
      "eviction_policy": "lru",               # vLLM's key: the CPU tier's policy (lru, arc, ...)
+     "store_threshold": 2,                   # vLLM's key: store a block on its 2nd offer (0, 1: always)
+     "max_tracker_size": 64000,              # vLLM's key: offer counts kept for that many blocks
      "kvevents": {
         "cpu_blocks": 2048,                  # instead of cpu_bytes_to_use: offloaded blocks
         "secondary_tiers": [{"type": "fs", "root": "/var/kv", "capacity_blocks": 65536,
@@ -36,6 +38,7 @@ __all__ = ["OUR_KEY", "ExtraConfig", "OurKeys", "PluginConfig", "parse_extra_con
 OUR_KEY = "kvevents"
 
 Positive = Annotated[int, Meta(ge=1)]
+NonNegative = Annotated[int, Meta(ge=0)]
 
 
 class OurKeys(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -54,6 +57,8 @@ class ExtraConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
     cpu_bytes_to_use: Positive | None = None
     eviction_policy: Annotated[str, Meta(min_length=1)] = "lru"
+    store_threshold: NonNegative = 0
+    max_tracker_size: Positive = 64_000
     kvevents: OurKeys = msgspec.field(default_factory=OurKeys)
     spec_name: Any = None
     spec_module_path: Any = None
@@ -69,6 +74,8 @@ class PluginConfig(Struct, kw_only=True):
     cpu_bytes_to_use: int | None = None
     cpu_blocks: int | None = None
     eviction_policy: str = "lru"
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
     secondary_tiers: list[dict[str, Any]] = msgspec.field(default_factory=list)
     strict: bool = False
 
@@ -83,6 +90,11 @@ def parse_extra_config(extra: Mapping[str, Any]) -> PluginConfig:
     if x.cpu_bytes_to_use is None and x.kvevents.cpu_blocks is None:
         raise ConfigError(
             f"{root}: give 'cpu_bytes_to_use' (vLLM's key) or {OUR_KEY!r}: {{'cpu_blocks': N}} to size the CPU tier")
+    if x.store_threshold >= 2 and x.kvevents.secondary_tiers:
+        raise ConfigError(
+            f"{root}['store_threshold'] ({x.store_threshold}) cannot be used with {OUR_KEY!r}: {{'secondary_tiers': ...}}: "
+            "blocks promoted from a secondary tier would be refused by the CPU tier's admission filter")
     return PluginConfig(cpu_bytes_to_use=x.cpu_bytes_to_use, cpu_blocks=x.kvevents.cpu_blocks,
-                        eviction_policy=x.eviction_policy, secondary_tiers=x.kvevents.secondary_tiers,
+                        eviction_policy=x.eviction_policy, store_threshold=x.store_threshold,
+                        max_tracker_size=x.max_tracker_size, secondary_tiers=x.kvevents.secondary_tiers,
                         strict=x.kvevents.strict)

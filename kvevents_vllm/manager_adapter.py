@@ -13,13 +13,18 @@ What changes at the boundary, and nothing else (our manager's behaviour is untou
   secondary tier), ``Locality.LOCAL`` and ``ownership`` (None for the primary tier, the tier's
   type for a secondary tier), built where our manager and tiers make theirs: the adapter sets
   each one's ``event_factory`` to a constructor for its medium (an event of ours that still
-  arrives, from a manager or tier that makes its own, is converted in ``take_events``);
+  arrives, from a manager or tier that makes its own, is converted in ``take_events``); our
+  ``never_stored`` removal (a failed store's keys) is vLLM's ``metadata_only`` one;
 - ``get_load_source``: HOST for a block the CPU tier held, DISK for one promoted from a
   secondary tier (the tiering manager says which keys it promotes);
 - ``on_schedule_end(context)``: vLLM's ``ScheduleEndContext`` passed on (ours accepts and
   ignores it); ``get_stats``: vLLM's CPU-tier gauges (blocks pinned by stores / loads in
-  flight) and allocation-size histogram, counted here from the calls (our own counters are in
-  :meth:`stats`).
+  flight) and allocation-size histogram, counted here from the calls, and, when the CPU tier
+  filters stores by repeat offers, vLLM's skipped-stores counter (our ``stores_not_admitted``);
+  our own counters are in :meth:`stats`;
+- the admission filter under vLLM's names: ``counts`` (the offer counts, read-only; None
+  without a filter) and ``stores_skipped_in_current_batch`` (not admitted since the last
+  ``get_stats``).
 """
 
 from __future__ import annotations
@@ -49,13 +54,18 @@ _REQUEST_LEVEL = OffloadPolicy.REQUEST_LEVEL
 #: one vLLM request context per policy, shared: vLLM's connector only reads its ``policy``
 _CHUNK_CONTEXT = VRequestContext(policy=VPolicy.CHUNK_LEVEL)
 _REQUEST_CONTEXT = VRequestContext(policy=VPolicy.REQUEST_LEVEL)
+#: vLLM 0.33's events can say "forget what you noted, announce nothing" (``metadata_only``); on
+#: 0.32 a failed store's removal is not made at all (0.32's own CPU manager makes none either)
+_HAS_METADATA_ONLY = "metadata_only" in getattr(VEvent, "__dataclass_fields__", {})
 
 
-def _event_factory(medium: Medium, ownership: str | None) -> Callable[[list, str, bool], VEvent]:
+def _event_factory(medium: Medium, ownership: str | None) -> Callable[..., VEvent | None]:
     """A constructor of vLLM's events in ``medium`` (our manager's ``event_factory`` signature;
     our medium name is already mapped)."""
 
-    def make(keys: list, _medium: str, removed: bool) -> VEvent:
+    def make(keys: list, _medium: str, removed: bool, never_stored: bool = False) -> VEvent | None:
+        if never_stored:
+            return VEvent(keys, medium, removed, _LOCAL, ownership, metadata_only=True) if _HAS_METADATA_ONLY else None
         return VEvent(keys, medium, removed, _LOCAL, ownership)
 
     return make
@@ -95,6 +105,7 @@ class KVEventsManagerAdapter(VManager):
         self._writing = 0
         self._reading = 0
         self._allocations: list[int] = []
+        self._skipped_reported = 0  # the primary's stores_not_admitted at the last get_stats
         self._lookup = inner.lookup  # (the hottest call: one attribute lookup less per key)
         self.unknown_media = 0  # events in a medium no tier declared (sent as STORAGE)
 
@@ -180,17 +191,18 @@ class KVEventsManagerAdapter(VManager):
             return ()
         for ev in events:
             if type(ev) is not VEvent:  # from a source that makes its own (no event_factory)
-                return [self._converted(e) for e in events]
+                converted = [self._converted(e) for e in events]
+                return [e for e in converted if e is not None]
         return events
 
-    def _converted(self, ev: Any) -> VEvent:
+    def _converted(self, ev: Any) -> VEvent | None:
         if type(ev) is VEvent:
             return ev
         found = self._media.get(ev.medium)
         if found is None:
             self.unknown_media += 1
             found = (Medium.STORAGE, ev.medium)
-        return VEvent(ev.keys, found[0], ev.removed, _LOCAL, found[1])
+        return _event_factory(*found)(ev.keys, ev.medium, ev.removed, getattr(ev, "never_stored", False))
 
     def has_pending_work(self) -> bool:
         return self.inner.has_pending_work()
@@ -213,7 +225,21 @@ class KVEventsManagerAdapter(VManager):
         for size in self._allocations:
             stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
         self._allocations.clear()
+        if getattr(self._primary, "admission", None) is not None:
+            stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, self.stores_skipped_in_current_batch)
+            self._skipped_reported = self._primary.stores_not_admitted
         return stats
+
+    @property
+    def counts(self) -> Any:
+        """The CPU tier's offer counts (key -> offers, read-only), None without a store threshold."""
+        admission = getattr(self._primary, "admission", None)
+        return None if admission is None else admission.counts
+
+    @property
+    def stores_skipped_in_current_batch(self) -> int:
+        """Keys the CPU tier's admission filter left out since the last :meth:`get_stats`."""
+        return getattr(self._primary, "stores_not_admitted", 0) - self._skipped_reported
 
     def stats(self) -> dict[str, int]:
         """Our manager's counters (the tiering manager's, when there are secondary tiers)."""

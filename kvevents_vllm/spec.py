@@ -21,6 +21,7 @@ The two share the host buffer through :mod:`kvevents_vllm.host`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingSpec as VllmOffloadingSpec
@@ -60,7 +61,7 @@ class KVEventsOffloadingSpec(VllmOffloadingSpec):
         from vllm.v1.kv_offload.base import OffloadingGaugeMetadata, OffloadingHistogramMetadata
         from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as M
 
-        return {
+        definitions = {
             M.CPU_CACHE_USAGE_PERC: OffloadingGaugeMetadata(
                 documentation="Share of the CPU tier's blocks pinned by transfers in flight (0 to 1)."),
             M.CPU_CACHE_WRITE_USAGE_PERC: OffloadingGaugeMetadata(
@@ -71,6 +72,14 @@ class KVEventsOffloadingSpec(VllmOffloadingSpec):
                 documentation="Blocks asked for by each store reservation in the CPU tier.",
                 buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)),
         }
+        threshold = extra_config.get("store_threshold", 0) if isinstance(extra_config, Mapping) else 0
+        if isinstance(threshold, int) and threshold >= 2:  # (a bad value is refused by __init__)
+            from vllm.v1.kv_offload.base import OffloadingCounterMetadata
+
+            definitions[M.STORES_SKIPPED] = OffloadingCounterMetadata(
+                documentation="Blocks offered for store into the CPU tier and not stored: offered fewer than "
+                              "store_threshold times so far.")
+        return definitions
 
     def __init__(self, config: Any) -> None:
         self.vllm_release = check_vllm_version()
@@ -112,7 +121,8 @@ class KVEventsOffloadingSpec(VllmOffloadingSpec):
             tiers = [dict(t, offloading_spec=self) if t.get("type") == "vllm" else t for t in cfg.secondary_tiers]
             ours = CPUOffloadingSpec(self._need_chunks(), cache_policy=cfg.eviction_policy,
                                      enable_events=self.kv_events_config.enable_kv_cache_events,
-                                     secondary_tiers=tiers, strict=cfg.strict)
+                                     secondary_tiers=tiers, strict=cfg.strict,
+                                     store_threshold=cfg.store_threshold, max_tracker_size=cfg.max_tracker_size)
             inner = ours.get_manager()
             self._manager = KVEventsManagerAdapter(inner, bind=self._binder(inner) if cfg.secondary_tiers else None)
         return self._manager

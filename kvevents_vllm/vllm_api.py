@@ -5,8 +5,9 @@ directly: ``CPUOffloadingManager(num_chunks, cache_policy, ...)``,
 ``TieringOffloadingManager(primary_tier=..., secondary_tiers=[...])`` with vLLM-written tiers.
 These classes build ours behind :class:`~kvevents_vllm.manager_adapter.KVEventsManagerAdapter`:
 
-- :class:`CPUOffloadingManager`: our CPU tier (``store_threshold`` < 2 and the built-in cache
-  policies only: ours has no store-reuse filter and loads policies by name);
+- :class:`CPUOffloadingManager`: our CPU tier (the built-in cache policies only: ours loads
+  policies by name); ``store_threshold`` / ``max_tracker_size`` are our tier's store admission
+  (:mod:`manager.admission`);
 - :class:`CPUPrimaryTierOffloadingManager`: the same over vLLM's shared region (its
   ``create_kv_memoryview()`` is the host buffer secondary tiers move bytes through);
 - :class:`TieringOffloadingManager`: our tiering manager over such a primary and vLLM-written
@@ -38,9 +39,8 @@ class CPUOffloadingManager(KVEventsManagerAdapter):
                  info: Any = None) -> None:
         if cache_policy_module_path is not None:
             raise ConfigError("cache_policy_module_path is not supported: our cache policies are chosen by name")
-        if store_threshold is not None and int(store_threshold) >= 2:
-            raise ConfigError(f"store_threshold={store_threshold} is not supported (ours stores every offered block)")
-        super().__init__(OurCPUManager(num_chunks, cache_policy, enable_events, "CPU"))
+        super().__init__(OurCPUManager(num_chunks, cache_policy, enable_events, "CPU",
+                                       store_threshold=store_threshold, max_tracker_size=max_tracker_size))
         self.num_chunks = num_chunks
 
 

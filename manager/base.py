@@ -131,11 +131,16 @@ class RequestOffloadingContext:
 
 @dataclass(slots=True, frozen=True)
 class OffloadingEvent:
-    """``keys`` became present in (``removed=False``) or left (``removed=True``) ``medium``."""
+    """``keys`` became present in (``removed=False``) or left (``removed=True``) ``medium``.
+
+    ``never_stored`` (with ``removed``): the keys' store failed, so they were never announced
+    as present; the event only tells who noted something for them at prepare time to forget
+    it (the wire sends nothing for it: no consumer heard of these keys)."""
 
     keys: list[OffloadKey]
     medium: str
     removed: bool
+    never_stored: bool = False
 
 
 @dataclass(slots=True)
@@ -172,10 +177,12 @@ class OffloadingManager(ABC):
     medium: str = "CPU"
     #: how many host blocks the manager addresses (sizes the host buffer); None: no fixed pool.
     num_blocks: int | None = None
-    #: what a manager that makes events builds each one with, called ``(keys, medium, removed)``:
-    #: :class:`OffloadingEvent`; an adapter to another framework's event type sets its own
-    #: (the vLLM adapter's builds vLLM's event for this manager's medium, no conversion later)
-    event_factory: Callable[[list[OffloadKey], str, bool], Any] = OffloadingEvent
+    #: what a manager that makes events builds each one with, called ``(keys, medium, removed)``
+    #: or, for a failed store's removal, ``(keys, medium, True, True)`` (``never_stored``; a
+    #: factory may return None for it: not kept): :class:`OffloadingEvent`; an adapter to
+    #: another framework's event type sets its own (the vLLM adapter's builds vLLM's event for
+    #: this manager's medium, no conversion later)
+    event_factory: Callable[..., Any] = OffloadingEvent
 
     @abstractmethod
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:

@@ -3,10 +3,22 @@
 Per block a ref count (a plain list indexed by block id): ``-1`` being written, ``0`` ready
 and evictable, ``> 0`` pinned by that many loads. Blocks being written or loaded, and every
 key of the current ``prepare_store``, are never evicted. ``prepare_store`` is all or nothing;
-a failed ``complete_store`` frees its blocks and emits nothing for them.
+a failed ``complete_store`` frees its blocks (no stored event for them).
 
 Events (``enable_events=True``): stored keys when a store completes, removed keys when blocks
-are evicted, and on ``reset_cache()`` removals for everything dropped.
+are evicted, and on ``reset_cache()`` removals for everything dropped. A failed store's keys
+leave in a removal marked ``never_stored`` (they were never announced: the wire sends nothing
+for it, vLLM's connector only drops what it noted for them); a key that a later
+``prepare_store`` took again before the drain is left out of it, and an event left with no key
+is not handed out.
+
+Store admission (``store_threshold`` >= 2): a key not yet present is stored only once
+``store_threshold`` ``prepare_store`` calls have offered it (:mod:`manager.admission`, counts
+kept for the ``max_tracker_size`` most recently offered keys); the others are left out of
+``keys_to_store`` and counted in ``stores_not_admitted``. Keys already present are unaffected.
+
+``num_blocks=0`` is a tier that holds nothing: every store that needs a block is refused
+(``store_rejections``).
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ import numpy as np
 
 from kvevents.errors import ConfigError
 
+from .admission import RepeatOfferAdmission, check_admission_settings
 from .base import (
     LoadStoreSpec,
     LookupResult,
@@ -48,15 +61,22 @@ class CPUOffloadingManager(OffloadingManager):
         cache_policy: str | CachePolicy = "lru",
         enable_events: bool = False,
         medium: str = "CPU",
+        *,
+        store_threshold: int = 0,
+        max_tracker_size: int = 64_000,
     ) -> None:
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ConfigError(f"CPUOffloadingManager: num_blocks must be a positive int, got {num_blocks!r}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ConfigError(f"CPUOffloadingManager: num_blocks must be an int >= 0, got {num_blocks!r}")
+        check_admission_settings(store_threshold, max_tracker_size, "CPUOffloadingManager: ")
         self.num_blocks = num_blocks
         self.medium = medium
         if isinstance(cache_policy, CachePolicy):
             self.policy = cache_policy
         else:
-            self.policy = create_cache_policy(cache_policy, num_blocks)
+            # a tier of 0 blocks never inserts: its policy is built for one (policies need >= 1)
+            self.policy = create_cache_policy(cache_policy, num_blocks or 1)
+        #: the store admission filter; None: every offered key not present is stored
+        self.admission = RepeatOfferAdmission(store_threshold, max_tracker_size) if store_threshold >= 2 else None
         self._blocks = self.policy.blocks  # key -> block id (owned by the policy)
         self._ref: list[int] = [0] * num_blocks
         # Blocks never handed out are [_fresh, num_blocks), given in ascending order before any
@@ -65,6 +85,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._free: list[int] = []
         self.enable_events = enable_events
         self._events: list[OffloadingEvent] = []
+        self._cleanups: list[int] = []  # indexes in _events of never_stored removals
         self._req_keys: dict[str, list[OffloadKey]] = {}  # per live request, head to tail
         # Counters (plain ints).
         self.lookups = 0
@@ -73,6 +94,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.stores_completed = 0
         self.stores_failed = 0
         self.store_rejections = 0  # prepare_store returned None
+        self.stores_not_admitted = 0  # keys offered for store and left out by the admission filter
         self.evictions = 0
         self.loads = 0
 
@@ -171,6 +193,8 @@ class CPUOffloadingManager(OffloadingManager):
                 seen.extend(keys)
         blocks = self._blocks
         to_store = [k for k in keys if k not in blocks]
+        if self.admission is not None:
+            to_store = self._admit(keys, to_store)
         if not to_store:
             return PrepareStoreOutput([], LoadStoreSpec(self.medium, _EMPTY_IDS), [])
         if len(to_store) != len(set(to_store)):
@@ -214,6 +238,14 @@ class CPUOffloadingManager(OffloadingManager):
         self.stores_prepared += n
         return PrepareStoreOutput(to_store, LoadStoreSpec(self.medium, np.array(ids, dtype=_int64)), evicted_keys)
 
+    def _admit(self, keys: Sequence[OffloadKey], to_store: list[OffloadKey]) -> list[OffloadKey]:
+        """The keys of ``to_store`` the admission filter lets through (this offer counted)."""
+        if len(to_store) != len(set(to_store)):
+            to_store = list(dict.fromkeys(to_store))
+        admitted = self.admission.offer(keys, to_store)  # type: ignore[union-attr]
+        self.stores_not_admitted += len(to_store) - len(admitted)
+        return admitted
+
     def complete_store(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None, success: bool = True) -> None:
         blocks, ref = self._blocks, self._ref
         if success:
@@ -228,20 +260,49 @@ class CPUOffloadingManager(OffloadingManager):
                 self._events.append(self.event_factory(stored, self.medium, False))
         else:
             remove, free = self.policy.remove, self._free
+            released = []
             for key in keys:
                 b = blocks.get(key)
                 if b is not None and ref[b] == -1:
                     remove(key)
                     ref[b] = 0
                     free.append(b)
-                    self.stores_failed += 1
+                    released.append(key)
+            self.stores_failed += len(released)
+            if released and self.enable_events:
+                self._add_cleanup(released)
+
+    def _add_cleanup(self, keys: list[OffloadKey]) -> None:
+        """A removal of keys never announced as stored (a factory may return None: no use for it)."""
+        event = self.event_factory(keys, self.medium, True, True)
+        if event is not None:
+            self._cleanups.append(len(self._events))
+            self._events.append(event)
 
     def take_events(self) -> list[OffloadingEvent]:
         events = self._events
         if not events:
             return []
         self._events = []
+        if self._cleanups:
+            events = self._pruned(events)
         return events
+
+    def _pruned(self, events: list[OffloadingEvent]) -> list[OffloadingEvent]:
+        """``events`` with each never_stored removal narrowed to the keys no store has taken
+        again since (dropped when none is left)."""
+        blocks, cleanups = self._blocks, set(self._cleanups)
+        self._cleanups = []
+        out = []
+        for i, ev in enumerate(events):
+            if i in cleanups:
+                keys = [k for k in ev.keys if k not in blocks]
+                if not keys:
+                    continue
+                if len(keys) != len(ev.keys):
+                    ev = self.event_factory(keys, self.medium, True, True)
+            out.append(ev)
+        return out
 
     def reset_cache(self) -> None:
         """Drop every block not in use (ref count 0); blocks being written or loaded stay."""
@@ -271,5 +332,6 @@ class CPUOffloadingManager(OffloadingManager):
             "stores_completed": self.stores_completed,
             "stores_failed": self.stores_failed,
             "store_rejections": self.store_rejections,
+            "stores_not_admitted": self.stores_not_admitted,
             "evictions": self.evictions,
         }

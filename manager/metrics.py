@@ -39,6 +39,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("kvevents.manager.stores.skipped", COUNTER, "{block}",
        "Blocks of store jobs a secondary tier's backpressure policy skipped (never pinned, written or announced).",
        _MT, "manager", "secondary tier .blocks_skipped"),
+    _m("kvevents.manager.stores.not_admitted", COUNTER, "{block}",
+       "Blocks offered for store into the primary tier and left out by its admission filter (offered fewer "
+       "than store_threshold times so far).",
+       _MT, "manager", "primary.stores_not_admitted"),
     _m("kvevents.manager.store.backlog", UPDOWN, "{block}",
        "Blocks of store jobs submitted to a secondary tier and not finished yet (what backpressure bounds).",
        _MT, "manager", "secondary tier store_backlog()"),

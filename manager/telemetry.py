@@ -267,9 +267,6 @@ def observe_manager(mgr: Any, tier_names: list[str] | None = None, meter: Meter 
         first = connector.blocks_loaded if connector is not None else pstat("loads")
         return [(first, A[names[0]])] + tier_counter("loads", lambda p: p.ok_blocks["load"])
 
-    def evictions():
-        return [(pstat("evictions"), A[names[0]])] + tier_counter("evictions", lambda p: None)
-
     def used():
         n = getattr(primary, "num_blocks", None)
         out = []
@@ -296,7 +293,9 @@ def observe_manager(mgr: Any, tier_names: list[str] | None = None, meter: Meter 
 
     obs.add(meter, "kvevents.manager.stores", stores)
     obs.add(meter, "kvevents.manager.loads", loads)
-    obs.add(meter, "kvevents.manager.evictions", evictions)
+    obs.add(meter, "kvevents.manager.evictions",
+            lambda: [(pstat("evictions"), A[names[0]])] + tier_counter("evictions", lambda p: None))
+    obs.add(meter, "kvevents.manager.stores.not_admitted", lambda: [(pstat("stores_not_admitted"), A[names[0]])])
     obs.add(meter, "kvevents.manager.blocks.used", used)
     obs.add(meter, "kvevents.manager.blocks.capacity", capacity)
     obs.add(meter, "kvevents.manager.bytes", per_probe("bytes"))

@@ -5,7 +5,8 @@ step's events become one :class:`~kvevents.events.KVEventBatch`.
   ``BlockStored(block_size=0, token_ids=[], parent_block_hash=None, medium, group_idx)`` for
   stored blocks (offload events carry neither tokens nor a block size: consumers join them
   with the engine's GPU events by hash), ``BlockRemoved(medium, group_idx)`` for removed ones;
-  hashes as vLLM sends them (the low 64 bits unsigned with ``int_hashes``, else the bytes).
+  hashes as vLLM sends them (the low 64 bits unsigned with ``int_hashes``, else the bytes);
+  nothing for a ``never_stored`` removal (keys whose store failed were never sent as stored).
 * :func:`assemble_batch`: the GPU events first, then the offload events, in one batch
   stamped with the publisher's data-parallel rank; None when there is nothing to send.
 """
@@ -27,6 +28,8 @@ def offload_events_to_kv_events(events: Iterable[Any], *, int_hashes: bool = Tru
     """OffloadingEvents as kvevents: one event per (OffloadingEvent, KV-cache group)."""
     out: list[KVEvent] = []
     for ev in events:
+        if getattr(ev, "never_stored", False):
+            continue  # a failed store's keys: never announced, so nothing to take back
         by_group: dict[int, list[int | bytes]] = {}
         for key in ev.keys:
             block_hash, group = split_offload_key(key)

@@ -9,7 +9,8 @@ import types
 import pytest
 
 from kvevents import ConfigError
-from manager import CPUOffloadingManager, LookupResult, ReqContext, make_offload_key
+from manager import CPUOffloadingManager, LookupResult, OffloadingEvent, ReqContext, make_offload_key
+from manager.wire import offload_events_to_kv_events
 from manager.policies import CachePolicy, available_cache_policies, create_cache_policy, register_cache_policy
 from manager.policies.arc import ARCCachePolicy
 from manager.policies.lru import LRUCachePolicy
@@ -123,14 +124,17 @@ def test_policy_evict_all_or_nothing(cls: type[CachePolicy]) -> None:
     assert pol.evict(0, refs, ()) == []
 
 
-def test_failed_store_frees_blocks_and_emits_nothing() -> None:
+def test_failed_store_frees_blocks_and_announces_nothing() -> None:
     m = CPUOffloadingManager(2, "lru", enable_events=True)
     out = m.prepare_store([K(1), K(2)], CTX)
     assert out is not None and m.num_free_blocks == 0
     m.complete_store([K(1), K(2)], CTX, success=False)
     assert m.num_free_blocks == 2 and m.cached_keys() == set()
-    assert m.lookup(K(1), CTX) is LookupResult.MISS
-    assert m.take_events() == [] and m.stores_failed == 2
+    assert m.lookup(K(1), CTX) is LookupResult.MISS and m.stores_failed == 2
+    # only a never_stored removal (for whoever noted the keys at prepare time), nothing on the wire
+    events = m.take_events()
+    assert events == [OffloadingEvent([K(1), K(2)], "CPU", True, never_stored=True)]
+    assert offload_events_to_kv_events(events) == [] and m.take_events() == []
 
 
 def test_events_stored_evicted_and_reset() -> None:
@@ -183,9 +187,22 @@ def test_duplicate_keys_in_one_store() -> None:
     assert out is not None and out.keys_to_store == [K(1), K(2)] and len(out.store_spec) == 2
 
 
-def test_bad_num_blocks() -> None:
-    with pytest.raises(ConfigError, match="num_blocks"):
-        CPUOffloadingManager(0)
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4"])
+def test_bad_num_blocks(bad: object) -> None:
+    with pytest.raises(ConfigError, match="num_blocks must be an int >= 0"):
+        CPUOffloadingManager(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_zero_blocks_is_a_tier_that_holds_nothing(policy: str) -> None:
+    m = CPUOffloadingManager(0, policy, enable_events=True)
+    assert m.num_free_blocks == 0 and m.stats()["num_blocks"] == 0
+    assert m.prepare_store([K(1)], CTX) is None and m.store_rejections == 1
+    empty = m.prepare_store([], CTX)
+    assert empty is not None and empty.keys_to_store == [] and len(empty.store_spec) == 0
+    assert m.lookup(K(1), CTX) is LookupResult.MISS and m.lookup_prefix([K(1)], CTX) == 0
+    m.reset_cache()
+    assert m.take_events() == [] and m.cached_keys() == set()
 
 
 def test_registry_unknown_name_lists_known() -> None:

@@ -52,7 +52,9 @@ class Mirror:
         for e in events:
             have = self.media[e.medium]
             for k in e.keys:
-                if e.removed:
+                if e.never_stored:  # a failed store's keys: never announced, nothing to take back
+                    assert e.removed and k not in have, f"never_stored removal of a key announced in {e.medium}"
+                elif e.removed:
                     assert k in have, f"removal of a key never announced in {e.medium}"
                     have.discard(k)
                 else:

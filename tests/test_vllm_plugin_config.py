@@ -32,6 +32,12 @@ ROOT = "kv_connector_extra_config"
     ({"kvevents": None}, f"{ROOT}['kvevents'] must be a mapping, got None"),
     ({"cpu_bytes_to_use": 1, "eviction_policy": ""}, f"{ROOT}['eviction_policy'] must be str of length >= 1, got ''"),
     ({}, f"{ROOT}: give 'cpu_bytes_to_use' (vLLM's key) or 'kvevents': {{'cpu_blocks': N}} to size the CPU tier"),
+    ({"cpu_bytes_to_use": 1, "store_threshold": -1}, f"{ROOT}['store_threshold'] must be int >= 0, got -1"),
+    ({"cpu_bytes_to_use": 1, "store_threshold": "2"}, f"{ROOT}['store_threshold'] must be int, got '2'"),
+    ({"cpu_bytes_to_use": 1, "max_tracker_size": 0}, f"{ROOT}['max_tracker_size'] must be int >= 1, got 0"),
+    ({"cpu_bytes_to_use": 1, "store_threshold": 2, "kvevents": {"secondary_tiers": [{"type": "fs"}]}},
+     f"{ROOT}['store_threshold'] (2) cannot be used with 'kvevents': {{'secondary_tiers': ...}}: blocks promoted "
+     "from a secondary tier would be refused by the CPU tier's admission filter"),
     ([("cpu_bytes_to_use", 1)], f"{ROOT} must be a mapping, got list"),
 ])
 def test_a_bad_extra_config_is_one_line_naming_the_key(extra, line) -> None:
@@ -60,3 +66,11 @@ def test_vllm_s_own_keys_are_accepted_and_ours_read() -> None:
     assert (cfg.cpu_bytes_to_use, cfg.cpu_blocks, cfg.eviction_policy, cfg.strict) == (1 << 20, None, "arc", True)
     assert cfg.secondary_tiers == [{"type": "fs", "root": "/tmp/kv", "store_policy_args": {"x": 1}}]
     assert parse_extra_config({"kvevents": {"cpu_blocks": 16}}).cpu_blocks == 16
+
+
+def test_vllm_s_store_admission_keys_are_read() -> None:
+    cfg = parse_extra_config({"cpu_bytes_to_use": 1 << 20, "store_threshold": 3, "max_tracker_size": 100})
+    assert (cfg.store_threshold, cfg.max_tracker_size) == (3, 100)
+    cfg = parse_extra_config({"cpu_bytes_to_use": 1 << 20, "store_threshold": 1,
+                              "kvevents": {"secondary_tiers": [{"type": "fs", "root": "/tmp/kv"}]}})
+    assert (cfg.store_threshold, cfg.max_tracker_size) == (1, 64_000)  # 0 and 1: no filter, tiers allowed

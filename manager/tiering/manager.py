@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from kvevents.errors import ConfigError
+
 from ..base import (
     BlockIO,
     LoadStoreSpec,
@@ -97,6 +99,9 @@ class TieringOffloadingManager(OffloadingManager):
         primary = primary if primary is not None else primary_tier
         self.primary = primary
         self.tiers = list(secondary_tiers or ())
+        if self.tiers and getattr(primary, "admission", None) is not None:
+            raise ConfigError("TieringOffloadingManager: a primary with store_threshold >= 2 cannot have secondary "
+                              "tiers (its admission filter would refuse their promotions)")
         #: raise RequestLifecycleError on a repeated or unknown on_request_finished (else count and ignore)
         self.strict = strict
         self.medium = primary.medium
