@@ -4,6 +4,8 @@ a failed store's removal handed to vLLM as ``metadata_only``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as CM
@@ -59,6 +61,12 @@ def test_a_failed_store_is_a_metadata_only_removal_without_the_keys_stored_again
     m.prepare_store([K(1), K(2)], ctx)
     m.complete_store([K(1), K(2)], ctx, success=False)
     m.prepare_store([K(2)], ctx)  # a retry before the drain
+    if "metadata_only" not in {f.name for f in dataclasses.fields(vbase.OffloadingEvent)}:
+        assert list(m.take_events()) == []  # vLLM 0.32: no such event (its own manager makes none)
+        m.complete_store([K(2)], ctx)
+        [ev] = m.take_events()
+        assert (ev.keys, ev.removed) == ([K(2)], False)
+        return
     [ev] = m.take_events()
     assert type(ev) is vbase.OffloadingEvent
     assert (ev.keys, ev.medium, ev.removed, ev.metadata_only, ev.ownership) == (
