@@ -1,60 +1,190 @@
-"""Least-recently-used eviction."""
+"""Least-recently-used eviction, by rank.
+
+Recency is a rank (lowest evicted first), an int ``clock * SPAN - position`` drawn from one
+clock:
+
+- a key inserted without a known position, touched, or refreshed when its request finishes
+  gets a fresh rank ``clock * SPAN`` (touch: the first key of a call ends the most recent,
+  refresh: the last);
+- a key a request inserts or uses while it runs, with a known token position, is ranked by
+  its request: ``request.rank * SPAN - position``, one request rank drawn at the request's
+  first such use and shared by all its batches. Within a request the tail goes before the
+  head, and a prefix still being written survives pressure from its own later batches;
+  between requests, an older request's blocks go first, and a use by an older request never
+  lowers a newer rank.
+
+A rank only changes by a use, never by a transfer ending: a block pinned by a load or a store
+keeps its place and is ordered by its rank once evictable again.
+
+Fresh ranks only grow, so keys holding one sit in an ordered dict in rank order (appending is
+ranking). Request-ranked keys sit in a min-heap of ``(rank, key)``, lazily invalidated (an
+entry whose rank is no longer the key's is skipped and dropped); eviction merges the two.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
+from heapq import heapify, heappop, heappush
 
-from .base import CachePolicy
+from .base import CachePolicy, RequestRecord
 
-__all__ = ["LRUCachePolicy"]
+__all__ = ["LRUCachePolicy", "SPAN"]
+
+#: token positions per rank step: a position must lie in [0, SPAN)
+SPAN = 1 << 40
 
 
 class LRUCachePolicy(CachePolicy):
-    """Evicts the least recently inserted-or-touched evictable key."""
+    """Evicts the evictable key of lowest rank (see the module docstring)."""
 
     name = "lru"
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        # Oldest first; the values are the block ids (``blocks`` is the same object).
-        self._order: OrderedDict[bytes, int] = OrderedDict()
-        self.blocks = self._order  # type: ignore[assignment]
+        self._fresh: OrderedDict[bytes, int] = OrderedDict()  # key -> fresh rank, ascending
+        self._placed: dict[bytes, int] = {}  # key -> request rank
+        self._heap: list[tuple[int, bytes]] = []  # (rank, key) over _placed, lazily invalidated
+        self._heap_limit = 64  # compact the heap past this many entries
+        self._clock = 0
 
-    def insert(self, key: bytes, block_id: int) -> None:
-        self._order[key] = block_id
+    # -- ranks ------------------------------------------------------------------------------
+
+    def _request_rank(self, request: RequestRecord, key: bytes, position: int) -> int:
+        if not 0 <= position < SPAN:
+            raise ValueError(f"LRU: token position {position!r} of key {key.hex()[:24]}... is outside [0, 2**40)")
+        base = request.rank
+        if not base:
+            self._clock += 1
+            base = request.rank = self._clock
+        return base * SPAN - position
+
+    def _place(self, key: bytes, rank: int) -> None:
+        self._placed[key] = rank
+        heap = self._heap
+        heappush(heap, (rank, key))
+        if len(heap) > self._heap_limit:
+            self._heap = [(r, k) for k, r in self._placed.items()]
+            heapify(self._heap)
+            self._heap_limit = 2 * len(self._heap) + 64
+
+    def _renew(self, keys: Iterable[bytes]) -> None:
+        """Fresh ranks for the resident ``keys``, in order (the last ends most recent)."""
+        blocks, fresh, placed = self.blocks, self._fresh, self._placed
+        move = fresh.move_to_end
+        clock = self._clock
+        for key in keys:
+            if key in blocks:
+                clock += 1
+                if placed and key in placed:
+                    del placed[key]  # its heap entry is now stale
+                fresh[key] = clock * SPAN
+                move(key)
+        self._clock = clock
+
+    # -- CachePolicy ------------------------------------------------------------------------
+
+    def insert(self, key: bytes, block_id: int, request: RequestRecord | None = None) -> None:
+        self.blocks[key] = block_id
+        if request is not None and request.position is not None:
+            position = request.position(key)
+            if position is not None:
+                self._place(key, self._request_rank(request, key, position))
+                return
+        self._clock += 1
+        self._fresh[key] = self._clock * SPAN
 
     def remove(self, key: bytes) -> int | None:
-        return self._order.pop(key, None)
+        block = self.blocks.pop(key, None)
+        if block is not None and self._fresh.pop(key, None) is None:
+            del self._placed[key]
+        return block
 
     def touch(self, keys: Iterable[bytes], ref_counts: Sequence[int]) -> None:
-        order = self._order
-        move = order.move_to_end
-        for key in keys:
-            if key in order:
-                move(key)
+        self._renew(reversed(keys if isinstance(keys, (list, tuple)) else list(keys)))
 
     def refresh(self, keys: Iterable[bytes]) -> None:
-        order = self._order
-        move = order.move_to_end
+        self._renew(keys)
+
+    def access(self, keys: Iterable[bytes], request: RequestRecord) -> None:
+        position_of = request.position
+        if position_of is None:
+            return
+        blocks, fresh, placed = self.blocks, self._fresh, self._placed
         for key in keys:
-            if key in order:
-                move(key)
+            if key not in blocks:
+                continue
+            position = position_of(key)
+            if position is None:
+                continue
+            rank = self._request_rank(request, key, position)
+            current = fresh.get(key)
+            if current is None:
+                current = placed[key]
+            if current >= rank:
+                continue  # a newer use already ranks it higher
+            if key in fresh:
+                del fresh[key]
+            self._place(key, rank)
 
     def evict(
         self, n: int, ref_counts: Sequence[int], protected: Container[bytes]
     ) -> list[tuple[bytes, int]] | None:
         if n <= 0:
             return []
-        order = self._order
-        picked: list[tuple[bytes, int]] = []
-        for key, block in order.items():
-            if ref_counts[block] == 0 and key not in protected:
-                picked.append((key, block))
-                if len(picked) == n:
-                    break
-        else:
+        blocks, fresh, placed, heap = self.blocks, self._fresh, self._placed, self._heap
+        from_fresh = ((r, k) for k, r in fresh.items() if ref_counts[blocks[k]] == 0 and k not in protected)
+        held: list[tuple[int, bytes]] = []  # heap entries of keys not evictable now
+
+        def next_placed() -> tuple[int, bytes] | None:
+            while heap:
+                entry = heappop(heap)
+                key = entry[1]
+                if placed.get(key) != entry[0]:
+                    continue  # stale
+                if ref_counts[blocks[key]] != 0 or key in protected:
+                    held.append(entry)
+                    continue
+                return entry
             return None
-        for key, _ in picked:
-            del order[key]
-        return picked
+
+        picked: list[bytes] = []  # in eviction order
+        picked_placed: list[tuple[int, bytes]] = []
+        f = next(from_fresh, None)
+        h = next_placed() if placed else None
+        want = n
+        while want:
+            if h is None or (f is not None and f[0] < h[0]):
+                if f is None:
+                    break
+                picked.append(f[1])
+                f = next(from_fresh, None)
+            else:
+                picked.append(h[1])
+                picked_placed.append(h)
+                del placed[h[1]]  # (a duplicate entry of this key is now stale)
+                h = next_placed()
+            want -= 1
+        if h is not None:
+            held.append(h)
+        if want:  # not enough: put everything back
+            for entry in picked_placed:
+                placed[entry[1]] = entry[0]
+            held.extend(picked_placed)
+        for entry in held:
+            heappush(heap, entry)
+        if want:
+            return None
+        pop = fresh.pop
+        out = []
+        for key in picked:
+            pop(key, None)
+            out.append((key, blocks.pop(key)))
+        return out
+
+    def clear(self) -> None:
+        super().clear()
+        self._fresh.clear()
+        self._placed.clear()
+        self._heap.clear()
+        self._heap_limit = 64
