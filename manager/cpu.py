@@ -123,7 +123,7 @@ class CPUOffloadingManager(OffloadingManager):
         if rec is None or rec.owner is not self or rec.generation != self._generation:
             return  # never seen, finished already, or from before a reset
         req_context.manager_state = None
-        keys = list(rec.keys)
+        keys = rec.keys  # (a key used twice: its first use decides, as refresh ends in order)
         position = rec.position
         if position is not None and keys:
             positions = [position(k) for k in keys]
@@ -177,17 +177,16 @@ class CPUOffloadingManager(OffloadingManager):
     def _used(self, keys: Sequence[OffloadKey], rec: RequestRecord) -> None:
         """The request loads or offers ``keys``: recorded, and the ones new to it told to the
         policy when it knows positions (the policy heeds the resident ones)."""
-        seen = rec.keys
         if rec.position is not None:
-            new = [k for k in keys if k not in seen]
+            accessed = rec.accessed
+            new = [k for k in keys if k not in accessed]
             if new:
+                accessed.update(new)
                 self.policy.access(new, rec)
-        seen.update(dict.fromkeys(keys))
+        rec.keys.extend(keys)
 
     def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:
-        self.policy.touch(keys, self._ref)
-        if req_context is not None:
-            self._record(req_context).keys.update(dict.fromkeys(keys))
+        self.policy.touch(keys, self._ref)  # (a request's use is recorded by its load or store)
 
     def complete_load(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:
         blocks, ref = self._blocks, self._ref
@@ -204,7 +203,7 @@ class CPUOffloadingManager(OffloadingManager):
         if req_context is not None:
             rec = self._record(req_context)
             if len(to_store) == len(keys):
-                rec.keys.update(dict.fromkeys(keys))
+                rec.keys.extend(keys)
             else:  # some offered again: a use of the ready ones (not of those being written)
                 ref = self._ref
                 used = [k for k in keys if k not in blocks or ref[blocks[k]] >= 0]

@@ -26,16 +26,19 @@ class RequestRecord:
 
     ``owner`` / ``generation``: the manager that made it and its cache generation (a record of
     another manager, or from before ``reset_cache``, is replaced); ``position``: the context's
-    ``key_position`` (None: positions unknown); ``keys``: the keys it stored or used, first use
-    first (a dict as an ordered set); ``rank``: the policy's per-request slot (0: unset)."""
+    ``key_position`` (None: positions unknown); ``keys``: the keys it stored or used, in the
+    order of use (repeats included); ``accessed``: the keys already told to the policy's
+    :meth:`CachePolicy.access` (kept only with positions); ``rank``: the policy's per-request slot
+    (0: unset)."""
 
-    __slots__ = ("owner", "generation", "position", "keys", "rank")
+    __slots__ = ("owner", "generation", "position", "keys", "accessed", "rank")
 
     def __init__(self, owner: Any, generation: int, position: Callable[[bytes], int | None] | None) -> None:
         self.owner = owner
         self.generation = generation
         self.position = position
-        self.keys: dict[bytes, None] = {}
+        self.keys: list[bytes] = []
+        self.accessed: set[bytes] = set()
         self.rank = 0
 
 

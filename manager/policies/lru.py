@@ -1,13 +1,12 @@
 """Least-recently-used eviction, by rank.
 
-Recency is a rank (lowest evicted first), an int ``clock * SPAN - position`` drawn from one
-clock:
+Recency is a rank (lowest evicted first), an int read from one clock:
 
 - a key inserted without a known position, touched, or refreshed when its request finishes
-  gets a fresh rank ``clock * SPAN`` (touch: the first key of a call ends the most recent,
+  gets a fresh rank, the newest (touch: the first key of a call ends the most recent,
   refresh: the last);
 - a key a request inserts or uses while it runs, with a known token position, is ranked by
-  its request: ``request.rank * SPAN - position``, one request rank drawn at the request's
+  its request: ``request.rank - position``, one request rank drawn at the request's
   first such use and shared by all its batches. Within a request the tail goes before the
   head, and a prefix still being written survives pressure from its own later batches;
   between requests, an older request's blocks go first, and a use by an older request never
@@ -16,8 +15,8 @@ clock:
 A rank only changes by a use, never by a transfer ending: a block pinned by a load or a store
 keeps its place and is ordered by its rank once evictable again.
 
-Fresh ranks only grow, so keys holding one sit in an ordered dict in rank order (appending is
-ranking). Request-ranked keys sit in a min-heap of ``(rank, key)``, lazily invalidated (an
+Fresh ranks never fall, so keys holding one sit in an ordered dict in rank order (appending
+is ranking; keys of equal fresh rank are ordered by the dict). Request-ranked keys sit in a min-heap of ``(rank, key)``, lazily invalidated (an
 entry whose rank is no longer the key's is skipped and dropped); eviction merges the two.
 """
 
@@ -46,7 +45,10 @@ class LRUCachePolicy(CachePolicy):
         self._placed: dict[bytes, int] = {}  # key -> request rank
         self._heap: list[tuple[int, bytes]] = []  # (rank, key) over _placed, lazily invalidated
         self._heap_limit = 64  # compact the heap past this many entries
-        self._clock = 0
+        # The rank a fresh use gets now. Fresh ranks only need ordering against request ranks
+        # (the ordered dict orders fresh keys among themselves), so the clock moves only when
+        # a request rank is drawn: R = now + SPAN, then now = R + SPAN.
+        self._now = 0
 
     # -- ranks ------------------------------------------------------------------------------
 
@@ -55,9 +57,9 @@ class LRUCachePolicy(CachePolicy):
             raise ValueError(f"LRU: token position {position!r} of key {key.hex()[:24]}... is outside [0, 2**40)")
         base = request.rank
         if not base:
-            self._clock += 1
-            base = request.rank = self._clock
-        return base * SPAN - position
+            base = request.rank = self._now + SPAN
+            self._now = base + SPAN
+        return base - position
 
     def _place(self, key: bytes, rank: int) -> None:
         self._placed[key] = rank
@@ -70,17 +72,15 @@ class LRUCachePolicy(CachePolicy):
 
     def _renew(self, keys: Iterable[bytes]) -> None:
         """Fresh ranks for the resident ``keys``, in order (the last ends most recent)."""
-        blocks, fresh, placed = self.blocks, self._fresh, self._placed
+        fresh, placed, now = self._fresh, self._placed, self._now
         move = fresh.move_to_end
-        clock = self._clock
         for key in keys:
-            if key in blocks:
-                clock += 1
-                if placed and key in placed:
-                    del placed[key]  # its heap entry is now stale
-                fresh[key] = clock * SPAN
+            if key in fresh:
+                fresh[key] = now
                 move(key)
-        self._clock = clock
+            elif key in placed:
+                del placed[key]  # its heap entry is now stale
+                fresh[key] = now
 
     # -- CachePolicy ------------------------------------------------------------------------
 
@@ -91,8 +91,7 @@ class LRUCachePolicy(CachePolicy):
             if position is not None:
                 self._place(key, self._request_rank(request, key, position))
                 return
-        self._clock += 1
-        self._fresh[key] = self._clock * SPAN
+        self._fresh[key] = self._now
 
     def remove(self, key: bytes) -> int | None:
         block = self.blocks.pop(key, None)
@@ -133,7 +132,6 @@ class LRUCachePolicy(CachePolicy):
         if n <= 0:
             return []
         blocks, fresh, placed, heap = self.blocks, self._fresh, self._placed, self._heap
-        from_fresh = ((r, k) for k, r in fresh.items() if ref_counts[blocks[k]] == 0 and k not in protected)
         held: list[tuple[int, bytes]] = []  # heap entries of keys not evictable now
 
         def next_placed() -> tuple[int, bytes] | None:
@@ -148,23 +146,31 @@ class LRUCachePolicy(CachePolicy):
                 return entry
             return None
 
+        # Merge the fresh keys (in rank order) with the request-ranked ones (from the heap).
         picked: list[bytes] = []  # in eviction order
         picked_placed: list[tuple[int, bytes]] = []
-        f = next(from_fresh, None)
         h = next_placed() if placed else None
         want = n
-        while want:
-            if h is None or (f is not None and f[0] < h[0]):
-                if f is None:
-                    break
-                picked.append(f[1])
-                f = next(from_fresh, None)
-            else:
+        for key, rank in fresh.items():
+            while h is not None and h[0] < rank:
                 picked.append(h[1])
                 picked_placed.append(h)
                 del placed[h[1]]  # (a duplicate entry of this key is now stale)
-                h = next_placed()
+                want -= 1
+                h = next_placed() if want else None
+            if not want:
+                break
+            if ref_counts[blocks[key]] == 0 and key not in protected:
+                picked.append(key)
+                want -= 1
+                if not want:
+                    break
+        while want and h is not None:
+            picked.append(h[1])
+            picked_placed.append(h)
+            del placed[h[1]]
             want -= 1
+            h = next_placed() if want else None
         if h is not None:
             held.append(h)
         if want:  # not enough: put everything back
