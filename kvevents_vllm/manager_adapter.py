@@ -69,7 +69,14 @@ def our_context(req_context: Any) -> ReqContext:
         return req_context
     ours = req_context.get_state(ReqContext)
     if ours is None:
-        ours = ReqContext(req_context.req_id, req_context.kv_transfer_params, req_context.get_offload_key_position)
+        position = req_context.get_offload_key_position
+        if type(req_context) is VReqContext:
+            # vLLM's method is a get on the positions dict its scheduler fills: the dict's own
+            # get answers the same at C speed (a subclass that overrides the method keeps it)
+            table = getattr(req_context, "_offload_key_positions", None)
+            if isinstance(table, dict):
+                position = table.get
+        ours = ReqContext(req_context.req_id, req_context.kv_transfer_params, position)
         req_context.set_state(ours)
     return ours
 

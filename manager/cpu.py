@@ -179,6 +179,8 @@ class CPUOffloadingManager(OffloadingManager):
         policy when it knows positions (the policy heeds the resident ones)."""
         if rec.position is not None:
             accessed = rec.accessed
+            if accessed is None:
+                accessed = rec.accessed = set()
             new = [k for k in keys if k not in accessed]
             if new:
                 accessed.update(new)
@@ -233,7 +235,6 @@ class CPUOffloadingManager(OffloadingManager):
             if self.enable_events:
                 self._events.append(self.event_factory(evicted_keys, self.medium, True))
         ref = self._ref
-        insert = self.policy.insert
         if fresh < self.num_blocks:
             self._fresh = min(self.num_blocks, fresh + n)
             ids = list(range(fresh, self._fresh))
@@ -245,9 +246,9 @@ class CPUOffloadingManager(OffloadingManager):
             del free[-rest:]
             reused.reverse()
             ids += reused
-        for key, b in zip(to_store, ids):
+        for b in ids:
             ref[b] = -1
-            insert(key, b, rec)
+        self.policy.insert_many(to_store, ids, rec)
         self.stores_prepared += n
         return PrepareStoreOutput(to_store, LoadStoreSpec(self.medium, np.array(ids, dtype=_int64)), evicted_keys)
 

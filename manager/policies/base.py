@@ -38,7 +38,7 @@ class RequestRecord:
         self.generation = generation
         self.position = position
         self.keys: list[bytes] = []
-        self.accessed: set[bytes] = set()
+        self.accessed: set[bytes] | None = None  # made at the first access
         self.rank = 0
 
 
@@ -69,6 +69,13 @@ class CachePolicy(ABC):
     def insert(self, key: bytes, block_id: int, request: RequestRecord | None = None) -> None:
         """Make ``key`` resident in ``block_id`` (``key`` is not resident); ``request``: the
         request storing it, if known."""
+
+    def insert_many(self, keys: Sequence[bytes], block_ids: Sequence[int], request: RequestRecord | None = None) -> None:
+        """:meth:`insert` each of ``keys`` (none resident, no repeats) in the block of the same
+        index (what the manager calls; a policy may do it at once)."""
+        insert = self.insert
+        for key, block_id in zip(keys, block_ids):
+            insert(key, block_id, request)
 
     @abstractmethod
     def remove(self, key: bytes) -> int | None:

@@ -85,13 +85,22 @@ class LRUCachePolicy(CachePolicy):
     # -- CachePolicy ------------------------------------------------------------------------
 
     def insert(self, key: bytes, block_id: int, request: RequestRecord | None = None) -> None:
-        self.blocks[key] = block_id
-        if request is not None and request.position is not None:
-            position = request.position(key)
-            if position is not None:
-                self._place(key, self._request_rank(request, key, position))
-                return
-        self._fresh[key] = self._now
+        self.insert_many((key,), (block_id,), request)
+
+    def insert_many(self, keys: Sequence[bytes], block_ids: Sequence[int], request: RequestRecord | None = None) -> None:
+        self.blocks.update(zip(keys, block_ids))
+        fresh, now = self._fresh, self._now
+        position_of = None if request is None else request.position
+        if position_of is None:
+            for key in keys:
+                fresh[key] = now
+            return
+        for key in keys:
+            position = position_of(key)
+            if position is None:
+                fresh[key] = self._now  # (a request rank drawn just before moved the clock)
+            else:
+                self._place(key, self._request_rank(request, key, position))  # type: ignore[arg-type]
 
     def remove(self, key: bytes) -> int | None:
         block = self.blocks.pop(key, None)
@@ -131,62 +140,75 @@ class LRUCachePolicy(CachePolicy):
     ) -> list[tuple[bytes, int]] | None:
         if n <= 0:
             return []
-        blocks, fresh, placed, heap = self.blocks, self._fresh, self._placed, self._heap
+        blocks, fresh, placed = self.blocks, self._fresh, self._placed
         held: list[tuple[int, bytes]] = []  # heap entries of keys not evictable now
-
-        def next_placed() -> tuple[int, bytes] | None:
-            while heap:
-                entry = heappop(heap)
-                key = entry[1]
-                if placed.get(key) != entry[0]:
-                    continue  # stale
-                if ref_counts[blocks[key]] != 0 or key in protected:
-                    held.append(entry)
-                    continue
-                return entry
-            return None
-
+        next_placed = self._next_placed
         # Merge the fresh keys (in rank order) with the request-ranked ones (from the heap).
-        picked: list[bytes] = []  # in eviction order
+        picked: list[tuple[bytes, int]] = []  # in eviction order
         picked_placed: list[tuple[int, bytes]] = []
-        h = next_placed() if placed else None
+        h = next_placed(ref_counts, protected, held) if placed else None
         want = n
         for key, rank in fresh.items():
-            while h is not None and h[0] < rank:
-                picked.append(h[1])
-                picked_placed.append(h)
-                del placed[h[1]]  # (a duplicate entry of this key is now stale)
-                want -= 1
-                h = next_placed() if want else None
-            if not want:
-                break
-            if ref_counts[blocks[key]] == 0 and key not in protected:
-                picked.append(key)
+            if h is not None and h[0] < rank:
+                while h is not None and h[0] < rank:
+                    picked.append((h[1], blocks[h[1]]))
+                    picked_placed.append(h)
+                    del placed[h[1]]  # (a duplicate entry of this key is now stale)
+                    want -= 1
+                    h = next_placed(ref_counts, protected, held) if want else None
+                if not want:
+                    break
+            block = blocks[key]
+            if ref_counts[block] == 0 and key not in protected:
+                picked.append((key, block))
                 want -= 1
                 if not want:
                     break
         while want and h is not None:
-            picked.append(h[1])
+            picked.append((h[1], blocks[h[1]]))
             picked_placed.append(h)
             del placed[h[1]]
             want -= 1
-            h = next_placed() if want else None
+            h = next_placed(ref_counts, protected, held) if want else None
         if h is not None:
             held.append(h)
         if want:  # not enough: put everything back
             for entry in picked_placed:
                 placed[entry[1]] = entry[0]
             held.extend(picked_placed)
-        for entry in held:
-            heappush(heap, entry)
+        if held:
+            heap = self._heap
+            for entry in held:
+                heappush(heap, entry)
         if want:
             return None
-        pop = fresh.pop
-        out = []
-        for key in picked:
-            pop(key, None)
-            out.append((key, blocks.pop(key)))
-        return out
+        if picked_placed:
+            pop = fresh.pop
+            for key, _ in picked:
+                pop(key, None)
+                del blocks[key]
+        else:
+            for key, _ in picked:
+                del fresh[key]
+                del blocks[key]
+        return picked
+
+    def _next_placed(
+        self, ref_counts: Sequence[int], protected: Container[bytes], held: list[tuple[int, bytes]]
+    ) -> tuple[int, bytes] | None:
+        """Pop the heap to its lowest current, evictable entry (None: none left); entries of
+        keys not evictable now go to ``held``, stale ones are dropped."""
+        heap, placed, blocks = self._heap, self._placed, self.blocks
+        while heap:
+            entry = heappop(heap)
+            key = entry[1]
+            if placed.get(key) != entry[0]:
+                continue
+            if ref_counts[blocks[key]] != 0 or key in protected:
+                held.append(entry)
+                continue
+            return entry
+        return None
 
     def clear(self) -> None:
         super().clear()
