@@ -125,7 +125,7 @@ class CPUOffloadingManager(OffloadingManager):
         req_context.manager_state = None
         keys = rec.keys  # (a key used twice: its first use decides, as refresh ends in order)
         position = rec.position
-        if position is not None and keys:
+        if position is not None and keys and position(keys[0]) is not None:
             positions = [position(k) for k in keys]
             if None not in positions:
                 order = sorted(range(len(keys)), key=positions.__getitem__)
@@ -175,16 +175,10 @@ class CPUOffloadingManager(OffloadingManager):
         return LoadStoreSpec(self.medium, np.array(ids, dtype=_int64))
 
     def _used(self, keys: Sequence[OffloadKey], rec: RequestRecord) -> None:
-        """The request loads or offers ``keys``: recorded, and the ones new to it told to the
-        policy when it knows positions (the policy heeds the resident ones)."""
+        """The request loads or offers ``keys``: recorded, and told to the policy when the
+        request knows positions (the policy heeds the resident, positioned ones)."""
         if rec.position is not None:
-            accessed = rec.accessed
-            if accessed is None:
-                accessed = rec.accessed = set()
-            new = [k for k in keys if k not in accessed]
-            if new:
-                accessed.update(new)
-                self.policy.access(new, rec)
+            self.policy.access(keys, rec)
         rec.keys.extend(keys)
 
     def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:

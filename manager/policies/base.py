@@ -27,18 +27,15 @@ class RequestRecord:
     ``owner`` / ``generation``: the manager that made it and its cache generation (a record of
     another manager, or from before ``reset_cache``, is replaced); ``position``: the context's
     ``key_position`` (None: positions unknown); ``keys``: the keys it stored or used, in the
-    order of use (repeats included); ``accessed``: the keys already told to the policy's
-    :meth:`CachePolicy.access` (kept only with positions); ``rank``: the policy's per-request slot
-    (0: unset)."""
+    order of use (repeats included); ``rank``: the policy's per-request slot (0: unset)."""
 
-    __slots__ = ("owner", "generation", "position", "keys", "accessed", "rank")
+    __slots__ = ("owner", "generation", "position", "keys", "rank")
 
     def __init__(self, owner: Any, generation: int, position: Callable[[bytes], int | None] | None) -> None:
         self.owner = owner
         self.generation = generation
         self.position = position
         self.keys: list[bytes] = []
-        self.accessed: set[bytes] | None = None  # made at the first access
         self.rank = 0
 
 
@@ -87,8 +84,9 @@ class CachePolicy(ABC):
         block is being written (``ref_counts[block] < 0``) has not been used yet."""
 
     def access(self, keys: Iterable[bytes], request: RequestRecord) -> None:  # noqa: B027 - default no-op
-        """``request`` (not finished) loads or offers again the resident ``keys``, each for
-        the first time. Default: nothing (the use is counted when the request finishes)."""
+        """``request`` (not finished) loads, or offers again, ``keys`` (a key may come again;
+        non-resident ones are ignored). Default: nothing (the use counts when the request
+        finishes)."""
 
     def refresh(self, keys: Iterable[bytes]) -> None:
         """Make each resident key in ``keys`` the most recent *without* counting a use (the

@@ -120,10 +120,8 @@ class LRUCachePolicy(CachePolicy):
             return
         blocks, fresh, placed = self.blocks, self._fresh, self._placed
         for key in keys:
-            if key not in blocks:
-                continue
             position = position_of(key)
-            if position is None:
+            if position is None or key not in blocks:
                 continue
             rank = self._request_rank(request, key, position)
             current = fresh.get(key)
