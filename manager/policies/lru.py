@@ -52,20 +52,21 @@ class LRUCachePolicy(CachePolicy):
 
     # -- ranks ------------------------------------------------------------------------------
 
-    def _request_rank(self, request: RequestRecord, key: bytes, position: int) -> int:
-        if not 0 <= position < SPAN:
-            raise ValueError(f"LRU: token position {position!r} of key {key.hex()[:24]}... is outside [0, 2**40)")
+    def _request_base(self, request: RequestRecord) -> int:
+        """The request's rank, drawn from the clock at its first positioned key."""
         base = request.rank
         if not base:
             base = request.rank = self._now + SPAN
             self._now = base + SPAN
-        return base - position
+        return base
 
-    def _place(self, key: bytes, rank: int) -> None:
-        self._placed[key] = rank
-        heap = self._heap
-        heappush(heap, (rank, key))
-        if len(heap) > self._heap_limit:
+    @staticmethod
+    def _bad_position(key: bytes, position: object) -> ValueError:
+        return ValueError(f"LRU: token position {position!r} of key {key.hex()[:24]}... is outside [0, 2**40)")
+
+    def _placed_all(self) -> None:
+        """After pushes: rebuild the heap from the live ranks once stale entries dominate."""
+        if len(self._heap) > self._heap_limit:
             self._heap = [(r, k) for k, r in self._placed.items()]
             heapify(self._heap)
             self._heap_limit = 2 * len(self._heap) + 64
@@ -95,12 +96,20 @@ class LRUCachePolicy(CachePolicy):
             for key in keys:
                 fresh[key] = now
             return
+        placed, heap, base = self._placed, self._heap, 0
         for key in keys:
             position = position_of(key)
             if position is None:
                 fresh[key] = self._now  # (a request rank drawn just before moved the clock)
-            else:
-                self._place(key, self._request_rank(request, key, position))  # type: ignore[arg-type]
+                continue
+            if not 0 <= position < SPAN:
+                raise self._bad_position(key, position)
+            if not base:
+                base = self._request_base(request)  # type: ignore[arg-type]
+            rank = placed[key] = base - position
+            heappush(heap, (rank, key))
+        if base:
+            self._placed_all()
 
     def remove(self, key: bytes) -> int | None:
         block = self.blocks.pop(key, None)
@@ -118,20 +127,28 @@ class LRUCachePolicy(CachePolicy):
         position_of = request.position
         if position_of is None:
             return
-        blocks, fresh, placed = self.blocks, self._fresh, self._placed
+        blocks, fresh, placed, heap, base = self.blocks, self._fresh, self._placed, self._heap, 0
         for key in keys:
             position = position_of(key)
             if position is None or key not in blocks:
                 continue
-            rank = self._request_rank(request, key, position)
+            if not 0 <= position < SPAN:
+                raise self._bad_position(key, position)
+            if not base:
+                base = self._request_base(request)
+            rank = base - position
             current = fresh.get(key)
             if current is None:
-                current = placed[key]
-            if current >= rank:
-                continue  # a newer use already ranks it higher
-            if key in fresh:
+                if placed[key] >= rank:
+                    continue  # a newer use already ranks it higher
+            elif current >= rank:
+                continue
+            else:
                 del fresh[key]
-            self._place(key, rank)
+            placed[key] = rank
+            heappush(heap, (rank, key))
+        if base:
+            self._placed_all()
 
     def evict(
         self, n: int, ref_counts: Sequence[int], protected: Container[bytes]
