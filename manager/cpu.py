@@ -127,7 +127,7 @@ class CPUOffloadingManager(OffloadingManager):
         position = rec.position
         if position is not None and keys and position(keys[0]) is not None:
             positions = [position(k) for k in keys]
-            if None not in positions:
+            if None not in positions and positions != sorted(positions):
                 order = sorted(range(len(keys)), key=positions.__getitem__)
                 keys = [keys[i] for i in order]
         keys.reverse()
