@@ -63,21 +63,36 @@ def _event_factory(medium: Medium, ownership: str | None) -> Callable[[list, str
     return make
 
 
+#: vLLM's ReqContext keeps per-request state (0.33: ``get_state`` / ``set_state``); where it does
+#: not, ours rides on the context object as an attribute
+_HAS_STATE = hasattr(VReqContext, "set_state")
+
+
+def _key_position(req_context: Any) -> Callable[[bytes], int | None] | None:
+    position = getattr(req_context, "get_offload_key_position", None)
+    if type(req_context) is VReqContext:
+        # vLLM's method is a get on the positions dict its scheduler fills: the dict's own get
+        # answers the same at C speed (a subclass that overrides the method keeps it)
+        table = getattr(req_context, "_offload_key_positions", None)
+        if isinstance(table, dict):
+            return table.get
+    return position
+
+
 def our_context(req_context: Any) -> ReqContext:
     """Our context for vLLM's ``req_context`` (the same one on every call for one request)."""
     if type(req_context) is ReqContext:
         return req_context
-    ours = req_context.get_state(ReqContext)
+    if _HAS_STATE:
+        ours = req_context.get_state(ReqContext)
+        if ours is None:
+            ours = ReqContext(req_context.req_id, req_context.kv_transfer_params, _key_position(req_context))
+            req_context.set_state(ours)
+        return ours
+    ours = getattr(req_context, "_kvevents_context", None)
     if ours is None:
-        position = req_context.get_offload_key_position
-        if type(req_context) is VReqContext:
-            # vLLM's method is a get on the positions dict its scheduler fills: the dict's own
-            # get answers the same at C speed (a subclass that overrides the method keeps it)
-            table = getattr(req_context, "_offload_key_positions", None)
-            if isinstance(table, dict):
-                position = table.get
-        ours = ReqContext(req_context.req_id, req_context.kv_transfer_params, position)
-        req_context.set_state(ours)
+        ours = req_context._kvevents_context = ReqContext(
+            req_context.req_id, req_context.kv_transfer_params, _key_position(req_context))
     return ours
 
 

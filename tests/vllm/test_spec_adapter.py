@@ -244,3 +244,21 @@ def test_the_schedulers_token_positions_order_our_lru():
     m.complete_store([K(0), K(1), K(2), K(3)], ctx)
     out = m.prepare_store([K(10), K(11)], vbase.ReqContext(req_id="b"))
     assert out.evicted_keys == [K(3)]
+
+
+def test_a_context_without_per_request_state_still_keeps_one_of_ours(monkeypatch):
+    """A vLLM whose ReqContext has no get_state / set_state (or positions): ours rides on it."""
+    from dataclasses import dataclass
+
+    from kvevents_vllm import manager_adapter
+
+    @dataclass
+    class OldReqContext:
+        req_id: str
+        kv_transfer_params: dict | None = None
+
+    monkeypatch.setattr(manager_adapter, "_HAS_STATE", False)
+    old = OldReqContext("r", {"a": 1})
+    ours = manager_adapter.our_context(old)
+    assert manager_adapter.our_context(old) is ours
+    assert (ours.req_id, ours.kv_transfer_params, ours.key_position) == ("r", {"a": 1}, None)
