@@ -68,11 +68,13 @@ class CachePolicy(ABC):
         request storing it, if known."""
 
     def insert_many(self, keys: Sequence[bytes], block_ids: Sequence[int], request: RequestRecord | None = None) -> None:
-        """:meth:`insert` each of ``keys`` (none resident, no repeats) in the block of the same
-        index (what the manager calls; a policy may do it at once)."""
+        """Make each of ``keys`` (none resident, no repeats) resident in the block of the same
+        index: what the manager calls. The default calls ``insert(key, block_id)`` for each, so
+        a policy written against the two-argument ``insert`` keeps working; a policy that
+        ranks by request overrides this (the LRU does)."""
         insert = self.insert
         for key, block_id in zip(keys, block_ids):
-            insert(key, block_id, request)
+            insert(key, block_id)
 
     @abstractmethod
     def remove(self, key: bytes) -> int | None:
