@@ -12,6 +12,10 @@ Per request, the same call sequence for both managers (the scheduler's pattern):
 ``prepare_load`` + ``touch`` + ``complete_load``; for the rest ``prepare_store`` +
 ``complete_store``; ``on_request_finished``; drain ``take_events()`` (events enabled).
 
+``--positions``: each request's context says every key's token position (16 tokens a block), as
+vLLM 0.33's scheduler does (ours: ``ReqContext.key_position``; vLLM's:
+``set_offload_key_position``), so both LRUs rank a running request's blocks by position.
+
 Rates are per CPU second of this process (time.process_time), which a shared machine
 perturbs less than wall time. Columns: requests/s, block operations/s (keys passed through lookup, prepare/complete load,
 touch, prepare/complete store), hits (blocks served from the cache). The peer runs where
@@ -71,7 +75,8 @@ def build_trace(
 
 
 def drive(
-    mgr: Any, trace: list[list[bytes]], make_ctx: Callable[[str], Any], hit: Any
+    mgr: Any, trace: list[list[bytes]], make_ctx: Callable[[str, list[bytes] | None], Any], hit: Any,
+    positions: bool = False,
 ) -> tuple[float, int, int]:
     """Run the trace; (seconds, block ops, hits)."""
     lookup, prepare_load, touch, complete_load = mgr.lookup, mgr.prepare_load, mgr.touch, mgr.complete_load
@@ -82,7 +87,7 @@ def drive(
     gc.disable()
     t0 = time.process_time()
     for i, keys in enumerate(trace):
-        ctx = make_ctx(f"req-{i}")
+        ctx = make_ctx(f"req-{i}", keys if positions else None)
         on_new(ctx)
         n = 0
         for k in keys:
@@ -112,8 +117,13 @@ def drive(
     return dt, ops, hits
 
 
-def ours(capacity: int, policy: str) -> tuple[Any, Callable[[str], Any], Any]:
-    return CPUOffloadingManager(capacity, policy, enable_events=True), ReqContext, LookupResult.HIT
+def ours(capacity: int, policy: str) -> tuple[Any, Callable[[str, list[bytes] | None], Any], Any]:
+    def make_ctx(req_id: str, keys: list[bytes] | None) -> ReqContext:
+        if keys is None:
+            return ReqContext(req_id)
+        return ReqContext(req_id, None, {k: 16 * (j + 1) for j, k in enumerate(keys)}.get)
+
+    return CPUOffloadingManager(capacity, policy, enable_events=True), make_ctx, LookupResult.HIT
 
 
 def peer_factory() -> Callable[[int, str], tuple[Any, Callable[[str], Any], Any]] | None:
@@ -127,13 +137,20 @@ def peer_factory() -> Callable[[int, str], tuple[Any, Callable[[str], Any], Any]
         print("  then: . /work/peer-venv/bin/activate && python benchmarks/manager.py\n")
         return None
 
-    def make(capacity: int, policy: str) -> tuple[Any, Callable[[str], Any], Any]:
-        return VCPU(capacity, cache_policy=policy, enable_events=True), VReqContext, VLookup.HIT
+    def make_ctx(req_id: str, keys: list[bytes] | None) -> Any:
+        ctx = VReqContext(req_id=req_id)
+        for j, k in enumerate(keys or ()):
+            ctx.set_offload_key_position(k, 16 * (j + 1))
+        return ctx
+
+    def make(capacity: int, policy: str) -> tuple[Any, Callable[[str, list[bytes] | None], Any], Any]:
+        return VCPU(capacity, cache_policy=policy, enable_events=True), make_ctx, VLookup.HIT
 
     return make
 
 
-def measure(factories: list[Callable[..., Any]], capacity: int, policy: str, trace: list[list[bytes]], repeat: int):  # type: ignore[no-untyped-def]
+def measure(factories: list[Callable[..., Any]], capacity: int, policy: str, trace: list[list[bytes]], repeat: int,  # type: ignore[no-untyped-def]
+            positions: bool = False):
     """Median (seconds, ops, hits) per factory; the factories' runs alternate so that a
     disturbance of the machine falls on both alike."""
     times: list[list[float]] = [[] for _ in factories]
@@ -141,7 +158,7 @@ def measure(factories: list[Callable[..., Any]], capacity: int, policy: str, tra
     for _ in range(repeat):
         for i, factory in enumerate(factories):
             mgr, make_ctx, hit = factory(capacity, policy)
-            dt, ops, hits = drive(mgr, trace, make_ctx, hit)
+            dt, ops, hits = drive(mgr, trace, make_ctx, hit, positions)
             times[i].append(dt)
             last[i] = (ops, hits)
     return [(statistics.median(t), *r) for t, r in zip(times, last)]
@@ -156,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", type=int, default=4096, help="cache size in blocks")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--positions", action="store_true", help="contexts give each key's token position")
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.repeat = 500, 2
@@ -164,13 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"trace: {args.requests} requests, {args.docs} docs, zipf {args.zipf}, {total_blocks:,} block refs, "
         f"{len({k for t in trace for k in t}):,} distinct; capacity {args.capacity} blocks; "
-        f"median of {args.repeat}; python {platform.python_version()}\n"
+        f"median of {args.repeat}; positions {'given' if args.positions else 'unknown'}; "
+        f"python {platform.python_version()}\n"
     )
     peer = peer_factory()
     rows = []
     verdicts = []
     for policy in POLICIES:
-        results = measure([ours] if peer is None else [ours, peer], args.capacity, policy, trace, args.repeat)
+        results = measure([ours] if peer is None else [ours, peer], args.capacity, policy, trace, args.repeat,
+                          args.positions)
         dt, ops, hits = results[0]
         ours_ops = ops / dt
         rows.append([policy, "ours", fmt_rate(args.requests / dt), fmt_rate(ours_ops), hits, "-"])

@@ -2,8 +2,10 @@
 
 What changes at the boundary, and nothing else (our manager's behaviour is untouched):
 
-- request contexts: vLLM's ``ReqContext`` is handed on as it is (it has the fields ours reads,
-  ``req_id`` and ``kv_transfer_params``);
+- request contexts: each vLLM ``ReqContext`` gets one of ours, made on its first call and kept
+  in its per-request state (``set_state``): ``req_id``, ``kv_transfer_params`` and
+  ``key_position`` = its ``get_offload_key_position`` (the token positions vLLM's scheduler
+  records), so our LRU orders a request's blocks by position;
 - ``LookupResult`` / ``OffloadPolicy`` members mapped by meaning (ours ``BLOCK_LEVEL`` is vLLM's
   ``CHUNK_LEVEL``; our ``RETRY`` for a block being stored or promoted into the CPU tier is vLLM's
   ``HIT_PENDING``, any other ``RETRY`` stays ``RETRY``);
@@ -44,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import Offl
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from manager.base import LookupResult, OffloadingManager, OffloadPolicy
+from manager.base import LookupResult, OffloadingManager, OffloadPolicy, ReqContext
 from manager.tiering import TieringOffloadingManager
 
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
@@ -69,6 +71,39 @@ def _event_factory(medium: Medium, ownership: str | None) -> Callable[..., VEven
         return VEvent(keys, medium, removed, _LOCAL, ownership)
 
     return make
+
+
+#: vLLM's ReqContext keeps per-request state (0.33: ``get_state`` / ``set_state``); where it does
+#: not, ours rides on the context object as an attribute
+_HAS_STATE = hasattr(VReqContext, "set_state")
+
+
+def _key_position(req_context: Any) -> Callable[[bytes], int | None] | None:
+    position = getattr(req_context, "get_offload_key_position", None)
+    if type(req_context) is VReqContext:
+        # vLLM's method is a get on the positions dict its scheduler fills: the dict's own get
+        # answers the same at C speed (a subclass that overrides the method keeps it)
+        table = getattr(req_context, "_offload_key_positions", None)
+        if isinstance(table, dict):
+            return table.get
+    return position
+
+
+def our_context(req_context: Any) -> ReqContext:
+    """Our context for vLLM's ``req_context`` (the same one on every call for one request)."""
+    if type(req_context) is ReqContext:
+        return req_context
+    if _HAS_STATE:
+        ours = req_context.get_state(ReqContext)
+        if ours is None:
+            ours = ReqContext(req_context.req_id, req_context.kv_transfer_params, _key_position(req_context))
+            req_context.set_state(ours)
+        return ours
+    ours = getattr(req_context, "_kvevents_context", None)
+    if ours is None:
+        ours = req_context._kvevents_context = ReqContext(
+            req_context.req_id, req_context.kv_transfer_params, _key_position(req_context))
+    return ours
 
 
 def _cpu_spec(block_ids: Any) -> CPULoadStoreSpec:
@@ -109,17 +144,14 @@ class KVEventsManagerAdapter(VManager):
         self._lookup = inner.lookup  # (the hottest call: one attribute lookup less per key)
         self.unknown_media = 0  # events in a medium no tier declared (sent as STORAGE)
 
-    # -- contexts --------------------------------------------------------------------------
-    # vLLM's ReqContext has our ReqContext's fields (req_id, kv_transfer_params): our managers
-    # read only those, so vLLM's is handed on as it is (no per-call conversion).
-
     def _ensure_bound(self) -> None:
         if not self._bound and self._bind is not None:
             self._bound = self._bind()
 
     # -- lookups and loads -----------------------------------------------------------------
     def lookup(self, key: Any, req_context: VReqContext) -> VLookup:
-        result = self._lookup(key, req_context)
+        # the CPU tier's lookup reads no context; the tiering manager's keeps it for promotions
+        result = self._lookup(key, our_context(req_context) if self._tiering is not None else None)
         if result is _HIT:
             return _V_HIT
         if result is _MISS:
@@ -138,12 +170,12 @@ class KVEventsManagerAdapter(VManager):
         return self._promoted.pop(key, CacheHitSource.HOST)
 
     def prepare_load(self, keys: Collection[Any], req_context: VReqContext) -> CPULoadStoreSpec:
-        spec = self.inner.prepare_load(keys, req_context)
+        spec = self.inner.prepare_load(keys, our_context(req_context))
         self._reading += len(keys)
         return _cpu_spec(spec.block_ids)
 
     def touch(self, keys: Collection[Any], req_context: VReqContext) -> None:
-        self.inner.touch(keys, req_context)
+        self.inner.touch(keys, our_context(req_context))
 
     def complete_load(self, keys: Collection[Any], req_context: VReqContext) -> None:
         if self._promoted:
@@ -151,11 +183,11 @@ class KVEventsManagerAdapter(VManager):
                 self._promoted.pop(key, None)
         left = self._reading - len(keys)
         self._reading = left if left > 0 else 0
-        self.inner.complete_load(keys, req_context)
+        self.inner.complete_load(keys, our_context(req_context))
 
     # -- stores ----------------------------------------------------------------------------
     def prepare_store(self, keys: Collection[Any], req_context: VReqContext) -> VPrepareStoreOutput | None:
-        out = self.inner.prepare_store(keys, req_context)
+        out = self.inner.prepare_store(keys, our_context(req_context))
         if out is None:
             self._allocations.append(len(keys))
             return None
@@ -169,16 +201,16 @@ class KVEventsManagerAdapter(VManager):
             self._ensure_bound()
         left = self._writing - len(keys)
         self._writing = left if left > 0 else 0
-        self.inner.complete_store(keys, req_context, success)
+        self.inner.complete_store(keys, our_context(req_context), success)
 
     # -- requests and steps ----------------------------------------------------------------
     def on_new_request(self, req_context: VReqContext) -> VRequestContext:
-        if self.inner.on_new_request(req_context).policy is _REQUEST_LEVEL:
+        if self.inner.on_new_request(our_context(req_context)).policy is _REQUEST_LEVEL:
             return _REQUEST_CONTEXT
         return _CHUNK_CONTEXT
 
     def on_request_finished(self, req_context: VReqContext) -> None:
-        self.inner.on_request_finished(req_context)
+        self.inner.on_request_finished(our_context(req_context))
 
     def on_schedule_end(self, context: Any = None) -> None:
         if not self._bound:

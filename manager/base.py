@@ -120,6 +120,12 @@ class ReqContext:
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
+    #: where a key sits in this request: ``key_position(key)`` is its token position (the end
+    #: token of its block: any number growing from head to tail) or None when unknown. With it
+    #: the LRU keeps a request's prefix head to tail whatever order its blocks are stored in.
+    key_position: Callable[[OffloadKey], int | None] | None = None
+    #: what the manager keeps per request (its recency record); not for callers
+    manager_state: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass(slots=True)

@@ -92,6 +92,9 @@ class _ReqState:
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
     finish_called: bool = False  # request_finished was called (a second call is a repeat)
+    #: key -> end token of its chunk, for every key handed to the manager (the context's
+    #: ``key_position``: the LRU orders the request's blocks head to tail by it)
+    positions: dict[OffloadKey, int] = field(default_factory=dict)
 
 
 class OffloadingConnectorScheduler:
@@ -153,6 +156,13 @@ class OffloadingConnectorScheduler:
         """The key of offloaded block ``chunk`` of ``request``: hash of its last GPU block."""
         return make_offload_key(request.block_hashes[(chunk + 1) * self.blocks_per_chunk - 1], self.group_idx)
 
+    def _chunk_keys(self, st: _ReqState, chunks: range) -> list[OffloadKey]:
+        """The keys of ``chunks`` of the request, their token positions noted for the manager."""
+        keys = [self.chunk_key(st.request, c) for c in chunks]
+        obs = self.offloaded_block_size
+        st.positions.update(zip(keys, ((c + 1) * obs for c in chunks)))
+        return keys
+
     def policy_of(self, req_id: str) -> OffloadPolicy | None:
         st = self._requests.get(req_id)
         return None if st is None else st.policy
@@ -205,9 +215,10 @@ class OffloadingConnectorScheduler:
         if st is not None:
             st.request = request
             return st.policy
-        ctx = ReqContext(request.req_id, request.kv_transfer_params)
+        positions: dict[OffloadKey, int] = {}
+        ctx = ReqContext(request.req_id, request.kv_transfer_params, positions.get)
         policy = self.manager.on_new_request(ctx).policy
-        self._requests[request.req_id] = _ReqState(request, ctx, policy)
+        self._requests[request.req_id] = _ReqState(request, ctx, policy, positions=positions)
         self._lifecycle.started(request.req_id)
         self.requests_seen += 1
         return policy
@@ -226,9 +237,12 @@ class OffloadingConnectorScheduler:
         limit = min(len(request.block_hashes) // k, (request.num_tokens - 1) // obs)
         n = 0
         retry = False
+        positions = st.positions
         for chunk in range(start, limit):
             self.lookups += 1
-            result = self.manager.lookup(self.chunk_key(request, chunk), st.ctx)
+            key = self.chunk_key(request, chunk)
+            positions[key] = (chunk + 1) * obs
+            result = self.manager.lookup(key, st.ctx)
             if result is _HIT:
                 n += 1
             elif result is _RETRY:
@@ -275,7 +289,7 @@ class OffloadingConnectorScheduler:
             raise ConnectorError(
                 f"request {request.req_id}: {len(st.block_ids)} GPU blocks allocated, the load needs {end_chunk * k}"
             )
-        keys = [self.chunk_key(request, c) for c in range(start, end_chunk)]
+        keys = self._chunk_keys(st, range(start, end_chunk))
         spec = self.manager.prepare_load(keys, st.ctx)
         self.manager.touch(keys, st.ctx)
         first_gpu = num_computed // gbs
@@ -368,7 +382,7 @@ class OffloadingConnectorScheduler:
         if end <= st.next_store_chunk:
             return None
         chunks = range(st.next_store_chunk, end)
-        keys = [self.chunk_key(request, c) for c in chunks]
+        keys = self._chunk_keys(st, chunks)
         out = self.manager.prepare_store(keys, st.ctx)
         if out is None:
             self.store_rejections += 1  # retried the next time the request is scheduled

@@ -5,6 +5,13 @@ and evictable, ``> 0`` pinned by that many loads. Blocks being written or loaded
 key of the current ``prepare_store``, are never evicted. ``prepare_store`` is all or nothing;
 a failed ``complete_store`` frees its blocks (no stored event for them).
 
+Requests: each request's :class:`~manager.policies.RequestRecord` lives in its context
+(``ReqContext.manager_state``), made on its first call, so a request never announced still
+counts and one never finished leaves nothing behind here. It lists the keys the request stored
+or used; ``on_request_finished`` refreshes them tail to head (head most recent), ordered by
+token position when the context gives every key's. ``reset_cache`` starts a new generation:
+records from before it are dropped, with the recency they held.
+
 Events (``enable_events=True``): stored keys when a store completes, removed keys when blocks
 are evicted, and on ``reset_cache()`` removals for everything dropped. A failed store's keys
 leave in a removal marked ``never_stored`` (they were never announced: the wire sends nothing
@@ -40,7 +47,7 @@ from .base import (
     ReqContext,
     RequestOffloadingContext,
 )
-from .policies import CachePolicy, create_cache_policy
+from .policies import CachePolicy, RequestRecord, create_cache_policy
 
 __all__ = ["CPUOffloadingManager"]
 
@@ -86,7 +93,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.enable_events = enable_events
         self._events: list[OffloadingEvent] = []
         self._cleanups: list[int] = []  # indexes in _events of never_stored removals
-        self._req_keys: dict[str, list[OffloadKey]] = {}  # per live request, head to tail
+        self._generation = 0  # bumped by reset_cache: older request records are stale
         # Counters (plain ints).
         self.lookups = 0
         self.hits = 0
@@ -122,15 +129,31 @@ class CPUOffloadingManager(OffloadingManager):
 
     # -- OffloadingManager ------------------------------------------------------
 
+    def _record(self, req_context: ReqContext) -> RequestRecord:
+        """The request's record, made on first use (or after a reset)."""
+        rec = req_context.manager_state
+        if rec is None or rec.owner is not self or rec.generation != self._generation:
+            rec = req_context.manager_state = RequestRecord(self, self._generation, req_context.key_position)
+        return rec
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        self._req_keys[req_context.req_id] = []
+        self._record(req_context)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        keys = self._req_keys.pop(req_context.req_id, None)
-        if keys:
-            keys.reverse()
-            self.policy.refresh(keys)
+        rec = req_context.manager_state
+        if rec is None or rec.owner is not self or rec.generation != self._generation:
+            return  # never seen, finished already, or from before a reset
+        req_context.manager_state = None
+        keys = rec.keys  # (a key used twice: its first use decides, as refresh ends in order)
+        position = rec.position
+        if position is not None and keys and position(keys[0]) is not None:
+            positions = [position(k) for k in keys]
+            if None not in positions and positions != sorted(positions):
+                order = sorted(range(len(keys)), key=positions.__getitem__)
+                keys = [keys[i] for i in order]
+        keys.reverse()
+        self.policy.refresh(keys)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
         self.lookups += 1
@@ -169,14 +192,19 @@ class CPUOffloadingManager(OffloadingManager):
             ref[b] += 1
             append(b)
         self.loads += len(ids)
+        if req_context is not None:
+            self._used(keys, self._record(req_context))
         return LoadStoreSpec(self.medium, np.array(ids, dtype=_int64))
 
+    def _used(self, keys: Sequence[OffloadKey], rec: RequestRecord) -> None:
+        """The request loads or offers ``keys``: recorded, and told to the policy when the
+        request knows positions (the policy heeds the resident, positioned ones)."""
+        if rec.position is not None:
+            self.policy.access(keys, rec)
+        rec.keys.extend(keys)
+
     def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:
-        self.policy.touch(keys, self._ref)
-        if req_context is not None:
-            seen = self._req_keys.get(req_context.req_id)
-            if seen is not None:
-                seen.extend(keys)
+        self.policy.touch(keys, self._ref)  # (a request's use is recorded by its load or store)
 
     def complete_load(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:
         blocks, ref = self._blocks, self._ref
@@ -187,14 +215,20 @@ class CPUOffloadingManager(OffloadingManager):
             ref[b] -= 1
 
     def prepare_store(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
-        if req_context is not None:
-            seen = self._req_keys.get(req_context.req_id)
-            if seen is not None:
-                seen.extend(keys)
         blocks = self._blocks
         to_store = [k for k in keys if k not in blocks]
         if self.admission is not None:
             to_store = self._admit(keys, to_store)
+        rec = None
+        if req_context is not None:
+            rec = self._record(req_context)
+            if len(to_store) == len(keys):
+                rec.keys.extend(keys)
+            else:  # some present: a use of the ready ones (not of those being written); not admitted: none
+                ref = self._ref
+                kept = set(to_store) if self.admission is not None else None
+                used = [k for k in keys if (ref[blocks[k]] >= 0 if k in blocks else kept is None or k in kept)]
+                self._used(used, rec)
         if not to_store:
             return PrepareStoreOutput([], LoadStoreSpec(self.medium, _EMPTY_IDS), [])
         if len(to_store) != len(set(to_store)):
@@ -220,7 +254,6 @@ class CPUOffloadingManager(OffloadingManager):
             if self.enable_events:
                 self._events.append(self.event_factory(evicted_keys, self.medium, True))
         ref = self._ref
-        insert = self.policy.insert
         if fresh < self.num_blocks:
             self._fresh = min(self.num_blocks, fresh + n)
             ids = list(range(fresh, self._fresh))
@@ -232,9 +265,9 @@ class CPUOffloadingManager(OffloadingManager):
             del free[-rest:]
             reused.reverse()
             ids += reused
-        for key, b in zip(to_store, ids):
+        for b in ids:
             ref[b] = -1
-            insert(key, b)
+        self.policy.insert_many(to_store, ids, rec)
         self.stores_prepared += n
         return PrepareStoreOutput(to_store, LoadStoreSpec(self.medium, np.array(ids, dtype=_int64)), evicted_keys)
 
@@ -318,8 +351,7 @@ class CPUOffloadingManager(OffloadingManager):
                 free.append(remove(k))  # type: ignore[arg-type]
         if dropped and self.enable_events:
             self._events.append(self.event_factory(dropped, self.medium, True))
-        for seen in self._req_keys.values():
-            seen.clear()
+        self._generation += 1
 
     def stats(self) -> dict[str, int]:
         return {

@@ -269,3 +269,31 @@ def test_blocks_never_used_are_handed_out_before_freed_ones(policy: str) -> None
     m.reset_cache()
     assert m.num_free_blocks == 4
     assert m.prepare_store([K(6)], ctx).store_spec.block_ids.tolist() == [0]
+
+
+def test_a_policy_with_the_two_argument_insert_still_works() -> None:
+    """An out-of-tree policy written before insert took the request is still driven."""
+
+    class Fifo(CachePolicy):
+        def insert(self, key, block_id):  # type: ignore[no-untyped-def, override]
+            self.blocks[key] = block_id
+
+        def remove(self, key):  # type: ignore[no-untyped-def]
+            return self.blocks.pop(key, None)
+
+        def touch(self, keys, ref_counts):  # type: ignore[no-untyped-def]
+            pass
+
+        def evict(self, n, ref_counts, protected):  # type: ignore[no-untyped-def]
+            picked = [(k, b) for k, b in self.blocks.items() if ref_counts[b] == 0 and k not in protected][:n]
+            if len(picked) < n:
+                return None
+            for k, _ in picked:
+                del self.blocks[k]
+            return picked
+
+    m = CPUOffloadingManager(2, Fifo(2))
+    stored(m, [K(1), K(2)])
+    m.touch([K(1)], CTX)
+    out = m.prepare_store([K(3)], CTX)
+    assert out is not None and out.evicted_keys == [K(1)]

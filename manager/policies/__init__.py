@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from kvevents.registry import LazyRegistry
 
-from .base import CachePolicy
+from .base import CachePolicy, RequestRecord
 
-__all__ = ["CachePolicy", "available_cache_policies", "create_cache_policy", "register_cache_policy"]
+__all__ = ["CachePolicy", "RequestRecord", "available_cache_policies", "create_cache_policy", "register_cache_policy"]
 
 _REGISTRY = LazyRegistry("cache policy", {
     "lru": ("manager.policies.lru", "LRUCachePolicy"),

@@ -7,7 +7,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator, Sequence
 
-from .base import CachePolicy
+from .base import CachePolicy, RequestRecord
 
 __all__ = ["ARCCachePolicy"]
 
@@ -42,7 +42,7 @@ class ARCCachePolicy(CachePolicy):
         self.b2: OrderedDict[bytes, None] = OrderedDict()  # ghosts evicted from t2
         self.p = 0.0  # target size of t1
 
-    def insert(self, key: bytes, block_id: int) -> None:
+    def insert(self, key: bytes, block_id: int, request: RequestRecord | None = None) -> None:
         b1, b2 = self.b1, self.b2
         if key in b1:
             self.p = min(float(self.capacity), self.p + max(1.0, len(b2) / len(b1)))

@@ -229,3 +229,36 @@ def test_events_are_vllms_from_where_they_are_made():
     assert type(ev) is vbase.OffloadingEvent and (ev.medium, ev.ownership) == (vbase.Medium.STORAGE, "ELSEWHERE")
     assert m.stats()["adapter_unknown_media"] == 1
     assert CPUOffloadingManager(4).event_factory is OffloadingEvent  # without an adapter: ours
+
+
+def test_the_schedulers_token_positions_order_our_lru():
+    """vLLM's ReqContext positions reach our LRU: a running request's tail goes first, and the
+    context keeps one of ours for every call of the request."""
+    spec = KVEventsOffloadingSpec(offloading_config({"cpu_bytes_to_use": 5 * 2 * PAGE}))
+    m = spec.get_manager()
+    ctx = vbase.ReqContext(req_id="a")
+    for i in range(4):
+        ctx.set_offload_key_position(K(i), 16 * (i + 1))
+    m.prepare_store([K(2), K(3)], ctx)  # the tail offered first (a backfill)
+    m.prepare_store([K(0), K(1)], ctx)
+    m.complete_store([K(0), K(1), K(2), K(3)], ctx)
+    out = m.prepare_store([K(10), K(11)], vbase.ReqContext(req_id="b"))
+    assert out.evicted_keys == [K(3)]
+
+
+def test_a_context_without_per_request_state_still_keeps_one_of_ours(monkeypatch):
+    """A vLLM whose ReqContext has no get_state / set_state (or positions): ours rides on it."""
+    from dataclasses import dataclass
+
+    from kvevents_vllm import manager_adapter
+
+    @dataclass
+    class OldReqContext:
+        req_id: str
+        kv_transfer_params: dict | None = None
+
+    monkeypatch.setattr(manager_adapter, "_HAS_STATE", False)
+    old = OldReqContext("r", {"a": 1})
+    ours = manager_adapter.our_context(old)
+    assert manager_adapter.our_context(old) is ours
+    assert (ours.req_id, ours.kv_transfer_params, ours.key_position) == ("r", {"a": 1}, None)
