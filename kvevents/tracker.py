@@ -46,7 +46,7 @@ BATCH, RESET, GAP = DeliveryKind.BATCH, DeliveryKind.RESET, DeliveryKind.GAP
 class SeqTracker:
     __slots__ = ("publisher", "topic", "can_replay", "health", "heard", "expected", "live_high", "recovering", "late",
                  "pending", "attempts", "request", "deadline", "replay_timeout", "max_pending",
-                 "max_attempts", "probing", "unseen")
+                 "max_attempts", "probing", "unseen", "covers")
 
     def __init__(self, publisher: str, topic: str = "", *, can_replay: bool = False, late_join: bool = False,
                  replay_timeout: float = 2.0, max_pending: int = 10_000, max_attempts: int = 2,
@@ -62,7 +62,11 @@ class SeqTracker:
         self.recovering = False
         self.late = False  # recovering for a late join: the first replayed seq sets `expected`
         self.pending: dict[int, tuple[KVEventBatch | bytes | None, float, bool]] = {}  # seq -> (item, time, replayed)
-        self.attempts = 0
+        self.attempts = 0  # replays asked for the gap now held (see _drain)
+        #: the highest live seq held when the replay in flight was asked: its answer reaches at least
+        #: that far (the publisher rings every batch before it sends it live); a hole past it opened
+        #: after the request
+        self.covers = -1
         self.request: int | None = None  # a replay request the socket layer must send
         self.deadline = 0.0
         self.replay_timeout = replay_timeout
@@ -245,6 +249,7 @@ class SeqTracker:
         self.recovering = True
         self.health.replay_requests += 1
         self.request = self.expected
+        self.covers = max(self.pending, default=-1)
         self.deadline = now + self.replay_timeout
         return True
 
@@ -320,6 +325,7 @@ class SeqTracker:
         self.health.replay_requests += 1
         self.attempts += 1
         self.request = start
+        self.covers = max(self.pending, default=-1)
         self.deadline = now + self.replay_timeout
 
     def _abandon(self, out: list[Delivery], now: float) -> None:
@@ -342,6 +348,11 @@ class SeqTracker:
                 del self.pending[seq]
                 continue
             if self.expected is not None and seq > self.expected:
+                if self.expected > self.covers:
+                    # a hole among live batches that came after the request (a lagging subscriber's
+                    # stream losing more while the replay ran): a new gap, with its own attempts;
+                    # the limit is for a gap the answer should have filled and did not
+                    self.attempts = 0
                 if may_retry and self.can_replay and self.attempts < self.max_attempts:
                     self._recover(self.expected, now)
                     return

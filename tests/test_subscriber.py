@@ -280,6 +280,39 @@ def test_tracker_partial_replay_then_retry_then_gap() -> None:
     assert t.health.unrecoverable == 2 and t.health.recovered == 2
 
 
+def test_tracker_a_gap_that_opens_during_each_replay_gets_its_own_attempts() -> None:
+    """A lagging subscriber whose live stream keeps losing batches while its replays run: every
+    replay is answered completely, yet each ends with a newer hole among the live batches held
+    meanwhile (published after the request was served), straight after the replayed run. That hole
+    is a new gap, asked for in its own right; the retry limit is for a gap a replay left unfilled
+    (the test above). Before, the attempts ran on across such holes and the third was given up as
+    lost with the publisher's ring holding it."""
+    t = SeqTracker("p", can_replay=True, max_attempts=2)
+    t.on_live(0, batch(0), 0)
+    top = 10
+    assert t.on_live(top, batch(top), 0) == [] and t.request == 1
+    first = 1
+    delivered = [0]
+    for _ in range(5):
+        t.request = None
+        for s in range(top + 1, top + 5):  # held while the replay runs
+            assert t.on_live(s, batch(s), 0) == []
+        assert t.on_live(top + 10, batch(top + 10), 0) == []  # top+5 .. top+9 lost live, after the request
+        out = []
+        for s in range(first, top + 5):  # the answer: the ring up to where it was when served, which
+            out += t.on_replay(s, batch(s), 0)  # ran ahead of the live batches held (past `top`)
+        out += t.on_replay_end(0)
+        assert [(d.seq, d.missed, d.reason) for d in out if d.kind is not BATCH] == []  # no GAP
+        delivered += [d.seq for d in out]
+        assert t.request == top + 5  # the new hole, asked for
+        first, top = top + 5, top + 10
+    t.request = None
+    out = [d for s in range(first, top + 1) for d in t.on_replay(s, batch(s), 0)] + t.on_replay_end(0)
+    delivered += [d.seq for d in out]
+    assert delivered == list(range(top + 1)) and not t.recovering
+    assert t.health.unrecoverable == 0 and t.health.replay_requests == 6
+
+
 def test_tracker_ignores_duplicate_and_stale_replays() -> None:
     t = SeqTracker("p", can_replay=True)
     t.on_live(0, batch(0), 0)
