@@ -13,7 +13,7 @@ Per request, the same call sequence for both managers (the scheduler's pattern):
 ``complete_store``; ``on_request_finished``; drain ``take_events()`` (events enabled).
 
 ``--positions``: each request's context says every key's token position (16 tokens a block), as
-vLLM 0.33's scheduler does (ours: ``ReqContext.key_position``; vLLM's:
+vLLM 0.33's scheduler does (ours: ``ReqContext.key_positions``; vLLM's:
 ``set_offload_key_position``), so both LRUs rank a running request's blocks by position.
 
 Rates are per CPU second of this process (time.process_time), which a shared machine
@@ -121,7 +121,7 @@ def ours(capacity: int, policy: str) -> tuple[Any, Callable[[str, list[bytes] | 
     def make_ctx(req_id: str, keys: list[bytes] | None) -> ReqContext:
         if keys is None:
             return ReqContext(req_id)
-        return ReqContext(req_id, None, {k: 16 * (j + 1) for j, k in enumerate(keys)}.get)
+        return ReqContext(req_id, None, {k: 16 * (j + 1) for j, k in enumerate(keys)})
 
     return CPUOffloadingManager(capacity, policy, enable_events=True), make_ctx, LookupResult.HIT
 

@@ -3,9 +3,9 @@
 What changes at the boundary, and nothing else (our manager's behaviour is untouched):
 
 - request contexts: each vLLM ``ReqContext`` gets one of ours, made on its first call and kept
-  in its per-request state (``set_state``): ``req_id``, ``kv_transfer_params`` and
-  ``key_position`` = its ``get_offload_key_position`` (the token positions vLLM's scheduler
-  records), so our LRU orders a request's blocks by position;
+  with it: ``req_id``, ``kv_transfer_params`` and
+  ``key_positions`` = the token positions vLLM's scheduler records for it (its positions dict,
+  or its ``get_offload_key_position``), so our LRU orders a request's blocks by position;
 - ``LookupResult`` / ``OffloadPolicy`` members mapped by meaning (ours ``BLOCK_LEVEL`` is vLLM's
   ``CHUNK_LEVEL``; our ``RETRY`` for a block being stored or promoted into the CPU tier is vLLM's
   ``HIT_PENDING``, any other ``RETRY`` stays ``RETRY``);
@@ -73,36 +73,52 @@ def _event_factory(medium: Medium, ownership: str | None) -> Callable[..., VEven
     return make
 
 
-#: vLLM's ReqContext keeps per-request state (0.33: ``get_state`` / ``set_state``); where it does
-#: not, ours rides on the context object as an attribute
-_HAS_STATE = hasattr(VReqContext, "set_state")
+class _PositionsOf:
+    """A key's token position from a vLLM context whose ``get_offload_key_position`` is its own
+    (a subclass): the mapping operations our manager uses (``get``, ``in``, truth)."""
+
+    __slots__ = ("get",)
+
+    def __init__(self, req_context: Any) -> None:
+        self.get = req_context.get_offload_key_position
+
+    def __contains__(self, key: object) -> bool:
+        return self.get(key) is not None
+
+    def __bool__(self) -> bool:
+        return True
 
 
-def _key_position(req_context: Any) -> Callable[[bytes], int | None] | None:
-    position = getattr(req_context, "get_offload_key_position", None)
-    if type(req_context) is VReqContext:
-        # vLLM's method is a get on the positions dict its scheduler fills: the dict's own get
-        # answers the same at C speed (a subclass that overrides the method keeps it)
-        table = getattr(req_context, "_offload_key_positions", None)
-        if isinstance(table, dict):
-            return table.get
-    return position
+#: vLLM's ReqContext keeps the positions its scheduler records in this dict (0.33)
+_TABLE = "_offload_key_positions" if "_offload_key_positions" in getattr(VReqContext, "__dataclass_fields__", {}) else None
+
+
+def _key_positions(req_context: Any) -> Any:
+    """Where vLLM's scheduler says the request's keys sit: its positions dict itself (filled as
+    the request runs; empty: the manager skips positions at once), or the context's own method."""
+    if type(req_context) is VReqContext and _TABLE is not None:
+        return getattr(req_context, _TABLE)
+    if getattr(req_context, "get_offload_key_position", None) is None:
+        return None
+    return _PositionsOf(req_context)
 
 
 def our_context(req_context: Any) -> ReqContext:
-    """Our context for vLLM's ``req_context`` (the same one on every call for one request)."""
+    """Our context for vLLM's ``req_context``: made on its first call, then the same one (kept on
+    vLLM's object, or in its per-request state where the object takes no new attribute)."""
+    ours = getattr(req_context, "_kvevents_context", None)
+    if ours is not None:
+        return ours
     if type(req_context) is ReqContext:
         return req_context
-    if _HAS_STATE:
-        ours = req_context.get_state(ReqContext)
-        if ours is None:
-            ours = ReqContext(req_context.req_id, req_context.kv_transfer_params, _key_position(req_context))
-            req_context.set_state(ours)
-        return ours
-    ours = getattr(req_context, "_kvevents_context", None)
-    if ours is None:
+    if hasattr(req_context, "__dict__"):
         ours = req_context._kvevents_context = ReqContext(
-            req_context.req_id, req_context.kv_transfer_params, _key_position(req_context))
+            req_context.req_id, req_context.kv_transfer_params, _key_positions(req_context))
+        return ours
+    ours = req_context.get_state(ReqContext)  # a slotted context: vLLM's per-request state (0.33)
+    if ours is None:
+        ours = ReqContext(req_context.req_id, req_context.kv_transfer_params, _key_positions(req_context))
+        req_context.set_state(ours)
     return ours
 
 
@@ -150,7 +166,7 @@ class KVEventsManagerAdapter(VManager):
 
     # -- lookups and loads -----------------------------------------------------------------
     def lookup(self, key: Any, req_context: VReqContext) -> VLookup:
-        # the CPU tier's lookup reads no context; the tiering manager's keeps it for promotions
+        # the CPU tier reads no context in lookup / complete_*; the tiering manager keeps it (promotions)
         result = self._lookup(key, our_context(req_context) if self._tiering is not None else None)
         if result is _HIT:
             return _V_HIT
@@ -183,7 +199,7 @@ class KVEventsManagerAdapter(VManager):
                 self._promoted.pop(key, None)
         left = self._reading - len(keys)
         self._reading = left if left > 0 else 0
-        self.inner.complete_load(keys, our_context(req_context))
+        self.inner.complete_load(keys, our_context(req_context) if self._tiering is not None else None)
 
     # -- stores ----------------------------------------------------------------------------
     def prepare_store(self, keys: Collection[Any], req_context: VReqContext) -> VPrepareStoreOutput | None:
@@ -201,7 +217,7 @@ class KVEventsManagerAdapter(VManager):
             self._ensure_bound()
         left = self._writing - len(keys)
         self._writing = left if left > 0 else 0
-        self.inner.complete_store(keys, our_context(req_context), success)
+        self.inner.complete_store(keys, our_context(req_context) if self._tiering is not None else None, success)
 
     # -- requests and steps ----------------------------------------------------------------
     def on_new_request(self, req_context: VReqContext) -> VRequestContext:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,10 +120,11 @@ class ReqContext:
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
-    #: where a key sits in this request: ``key_position(key)`` is its token position (the end
-    #: token of its block: any number growing from head to tail) or None when unknown. With it
-    #: the LRU keeps a request's prefix head to tail whatever order its blocks are stored in.
-    key_position: Callable[[OffloadKey], int | None] | None = None
+    #: where the request's keys sit: ``key_positions[key]`` is a key's token position (the end
+    #: token of its block: any number growing from head to tail); a key missing, or None/empty,
+    #: is unknown. A live mapping (the caller may fill it as the request runs). With it the LRU
+    #: keeps a request's prefix head to tail whatever order its blocks are stored in.
+    key_positions: Mapping[OffloadKey, int] | None = None
     #: what the manager keeps per request (its recency record); not for callers
     manager_state: Any = field(default=None, repr=False, compare=False)
 

@@ -93,7 +93,7 @@ class _ReqState:
     finished: bool = False
     finish_called: bool = False  # request_finished was called (a second call is a repeat)
     #: key -> end token of its chunk, for every key handed to the manager (the context's
-    #: ``key_position``: the LRU orders the request's blocks head to tail by it)
+    #: ``key_positions``: the LRU orders the request's blocks head to tail by it)
     positions: dict[OffloadKey, int] = field(default_factory=dict)
 
 
@@ -216,7 +216,7 @@ class OffloadingConnectorScheduler:
             st.request = request
             return st.policy
         positions: dict[OffloadKey, int] = {}
-        ctx = ReqContext(request.req_id, request.kv_transfer_params, positions.get)
+        ctx = ReqContext(request.req_id, request.kv_transfer_params, positions)
         policy = self.manager.on_new_request(ctx).policy
         self._requests[request.req_id] = _ReqState(request, ctx, policy, positions=positions)
         self._lifecycle.started(request.req_id)

@@ -133,7 +133,7 @@ class CPUOffloadingManager(OffloadingManager):
         """The request's record, made on first use (or after a reset)."""
         rec = req_context.manager_state
         if rec is None or rec.owner is not self or rec.generation != self._generation:
-            rec = req_context.manager_state = RequestRecord(self, self._generation, req_context.key_position)
+            rec = req_context.manager_state = RequestRecord(self, self._generation, req_context.key_positions)
         return rec
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -146,11 +146,12 @@ class CPUOffloadingManager(OffloadingManager):
             return  # never seen, finished already, or from before a reset
         req_context.manager_state = None
         keys = rec.keys  # (a key used twice: its first use decides, as refresh ends in order)
-        position = rec.position
-        if position is not None and keys and position(keys[0]) is not None:
-            positions = [position(k) for k in keys]
-            if None not in positions and positions != sorted(positions):
-                order = sorted(range(len(keys)), key=positions.__getitem__)
+        positions = rec.positions
+        if positions and keys and keys[0] in positions:
+            get = positions.get
+            where = [get(k) for k in keys]
+            if None not in where and where != sorted(where):
+                order = sorted(range(len(keys)), key=where.__getitem__)
                 keys = [keys[i] for i in order]
         keys.reverse()
         self.policy.refresh(keys)
@@ -199,7 +200,7 @@ class CPUOffloadingManager(OffloadingManager):
     def _used(self, keys: Sequence[OffloadKey], rec: RequestRecord) -> None:
         """The request loads or offers ``keys``: recorded, and told to the policy when the
         request knows positions (the policy heeds the resident, positioned ones)."""
-        if rec.position is not None:
+        if rec.positions:
             self.policy.access(keys, rec)
         rec.keys.extend(keys)
 

@@ -23,7 +23,7 @@ def K(i: int, group: int = 0) -> bytes:
 
 def positioned(req_id: str, positions: dict[bytes, int]) -> ReqContext:
     """A context whose keys sit at the given token positions (others unknown)."""
-    return ReqContext(req_id, None, positions.get)
+    return ReqContext(req_id, None, positions)
 
 
 def store(m: CPUOffloadingManager, keys: list[bytes], ctx: ReqContext, complete: bool = True) -> list[bytes]:
@@ -200,7 +200,7 @@ def test_lru_matches_a_reference_ranking_under_random_use() -> None:
         resident = list(pol.blocks)
         if op < 0.1 or not requests:
             positions: dict[bytes, int] = {}
-            requests.append((RequestRecord(None, 0, positions.get), positions, 0))
+            requests.append((RequestRecord(None, 0, positions), positions, 0))
             requests = requests[-6:]
         elif op < 0.45 and free:
             i = rng.randrange(len(requests))

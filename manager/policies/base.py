@@ -15,7 +15,7 @@ together, tails before heads.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["CachePolicy", "RequestRecord"]
@@ -25,16 +25,16 @@ class RequestRecord:
     """One request as its manager sees it, kept in the request's context by the manager.
 
     ``owner`` / ``generation``: the manager that made it and its cache generation (a record of
-    another manager, or from before ``reset_cache``, is replaced); ``position``: the context's
-    ``key_position`` (None: positions unknown); ``keys``: the keys it stored or used, in the
-    order of use (repeats included); ``rank``: the policy's per-request slot (0: unset)."""
+    another manager, or from before ``reset_cache``, is replaced); ``positions``: the context's
+    ``key_positions`` (key -> token position; None or empty: unknown); ``keys``: the keys it
+    stored or used, in the order of use (repeats included); ``rank``: the policy's per-request slot (0: unset)."""
 
-    __slots__ = ("owner", "generation", "position", "keys", "rank")
+    __slots__ = ("owner", "generation", "positions", "keys", "rank")
 
-    def __init__(self, owner: Any, generation: int, position: Callable[[bytes], int | None] | None) -> None:
+    def __init__(self, owner: Any, generation: int, positions: Mapping[bytes, int] | None) -> None:
         self.owner = owner
         self.generation = generation
-        self.position = position
+        self.positions = positions
         self.keys: list[bytes] = []
         self.rank = 0
 

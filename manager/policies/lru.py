@@ -91,12 +91,13 @@ class LRUCachePolicy(CachePolicy):
     def insert_many(self, keys: Sequence[bytes], block_ids: Sequence[int], request: RequestRecord | None = None) -> None:
         self.blocks.update(zip(keys, block_ids))
         fresh, now = self._fresh, self._now
-        position_of = None if request is None else request.position
-        if position_of is None:
+        positions = None if request is None else request.positions
+        if not positions:
             for key in keys:
                 fresh[key] = now
             return
         placed, heap, base = self._placed, self._heap, 0
+        position_of = positions.get
         for key in keys:
             position = position_of(key)
             if position is None:
@@ -124,9 +125,10 @@ class LRUCachePolicy(CachePolicy):
         self._renew(keys)
 
     def access(self, keys: Iterable[bytes], request: RequestRecord) -> None:
-        position_of = request.position
-        if position_of is None:
+        positions = request.positions
+        if not positions:
             return
+        position_of = positions.get
         blocks, fresh, placed, heap, base = self.blocks, self._fresh, self._placed, self._heap, 0
         for key in keys:
             position = position_of(key)

@@ -246,9 +246,31 @@ def test_the_schedulers_token_positions_order_our_lru():
     assert out.evicted_keys == [K(3)]
 
 
-def test_a_context_without_per_request_state_still_keeps_one_of_ours(monkeypatch):
-    """A vLLM whose ReqContext has no get_state / set_state (or positions): ours rides on it."""
-    from dataclasses import dataclass
+def test_a_context_with_its_own_position_method_orders_our_lru():
+    """A ReqContext subclass that answers positions its own way: our LRU asks it."""
+    if not hasattr(vbase.ReqContext, "get_offload_key_position"):
+        pytest.skip("this vLLM's ReqContext has no token positions")
+
+    where = {K(i): 16 * (i + 1) for i in range(4)}
+
+    class Spaced(vbase.ReqContext):
+        def get_offload_key_position(self, key):
+            return where.get(key)
+
+    spec = KVEventsOffloadingSpec(offloading_config({"cpu_bytes_to_use": 5 * 2 * PAGE}))
+    m = spec.get_manager()
+    ctx = Spaced(req_id="a")
+    m.prepare_store([K(2), K(3)], ctx)  # the tail offered first (a backfill)
+    m.prepare_store([K(0), K(1)], ctx)
+    m.complete_store([K(0), K(1), K(2), K(3)], ctx)
+    out = m.prepare_store([K(10), K(11)], vbase.ReqContext(req_id="b"))
+    assert out.evicted_keys == [K(3)]
+
+
+def test_every_kind_of_context_keeps_one_of_ours():
+    """A context without per-request state or positions (vLLM 0.32's shape): ours rides on it;
+    a slotted one that takes no new attribute: ours lives in its per-request state."""
+    from dataclasses import dataclass, field
 
     from kvevents_vllm import manager_adapter
 
@@ -257,8 +279,20 @@ def test_a_context_without_per_request_state_still_keeps_one_of_ours(monkeypatch
         req_id: str
         kv_transfer_params: dict | None = None
 
-    monkeypatch.setattr(manager_adapter, "_HAS_STATE", False)
-    old = OldReqContext("r", {"a": 1})
-    ours = manager_adapter.our_context(old)
-    assert manager_adapter.our_context(old) is ours
-    assert (ours.req_id, ours.kv_transfer_params, ours.key_position) == ("r", {"a": 1}, None)
+    @dataclass(slots=True)
+    class SlottedReqContext:
+        req_id: str
+        kv_transfer_params: dict | None = None
+        state: dict = field(default_factory=dict)
+
+        def get_state(self, kind):
+            return self.state.get(kind)
+
+        def set_state(self, value):
+            self.state[type(value)] = value
+
+    for ctx in (OldReqContext("r", {"a": 1}), SlottedReqContext("r", {"a": 1})):
+        ours = manager_adapter.our_context(ctx)
+        assert manager_adapter.our_context(ctx) is ours
+        assert (ours.req_id, ours.kv_transfer_params, ours.key_positions) == ("r", {"a": 1}, None)
+    assert list(ctx.state.values()) == [ours]
