@@ -62,12 +62,21 @@ def _causal(batches):
     removal cancels the hold, so the first pass never sees the chunk's depth while the replay
     joins it, and the chunk extent inferred from chain depths differs. No router can tell which
     keys a removal of a never-stored chunk meant, nor learn from a chunk it never saw; for chunks
-    an engine did store, chunks of one extent never overlap, so held joins and removals commute."""
+    an engine did store, chunks of one extent never overlap, so held joins and removals commute.
+
+    And an engine offloads a block only after its GPU store was sent (a block is computed, then
+    copied out): an offload naming a hash this pod is taught only later in the stream is left out
+    here (a hash never taught anywhere stays: held, never joined, in every pass). The first pass
+    holds such an offload and joins it when the GPU store arrives, against the chain that store
+    builds; after a reset of the pod in the replayed part, a replay that already knows the hash
+    joins it in place, against a chain the reset removed, and the chunk extent inferred from
+    chain depth differs (found by this test, 2026-11-27)."""
     taught = {h for _, _, b in batches for ev in b.events if isinstance(ev, BlockStored) and ev.token_ids
               for h in ev.block_hashes}
     taught |= {h ^ _LORA for h in taught}
     out = []
     seen: set = set()
+    taught_to: dict = {}  # pod -> the hashes its GPU stores have taught so far
     held: dict = {}  # (pod, rank, medium) -> chunk hashes stored there (not removed since)
     for pod, action, b in batches:
         rank = b.data_parallel_rank or 0
@@ -84,6 +93,14 @@ def _causal(batches):
                 if ev.parent_block_hash is not None and ev.parent_block_hash not in seen:
                     continue
                 seen.update(ev.block_hashes)
+                taught_to.setdefault(pod, set()).update(ev.block_hashes)
+            elif isinstance(ev, BlockStored):  # an offload: of blocks this pod computed before, or never taught
+                known = taught_to.get(pod, ())
+                hs = [h for h in ev.block_hashes if h in known or h not in taught]
+                if not hs:
+                    continue
+                if len(hs) != len(ev.block_hashes):
+                    ev = msgspec.structs.replace(ev, block_hashes=hs)
             if isinstance(ev, BlockStored) and ev.group_idx in (None, 0):
                 held.setdefault((pod, rank, ev.medium or "GPU"), set()).update(ev.block_hashes)
             elif isinstance(ev, BlockRemoved) and ev.medium not in (None, "GPU"):
