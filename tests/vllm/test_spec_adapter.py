@@ -231,35 +231,27 @@ def test_events_are_vllms_from_where_they_are_made():
     assert CPUOffloadingManager(4).event_factory is OffloadingEvent  # without an adapter: ours
 
 
-def test_the_schedulers_token_positions_order_our_lru():
-    """vLLM's ReqContext positions reach our LRU: a running request's tail goes first, and the
-    context keeps one of ours for every call of the request."""
-    spec = KVEventsOffloadingSpec(offloading_config({"cpu_bytes_to_use": 5 * 2 * PAGE}))
-    m = spec.get_manager()
-    ctx = vbase.ReqContext(req_id="a")
-    for i in range(4):
-        ctx.set_offload_key_position(K(i), 16 * (i + 1))
-    m.prepare_store([K(2), K(3)], ctx)  # the tail offered first (a backfill)
-    m.prepare_store([K(0), K(1)], ctx)
-    m.complete_store([K(0), K(1), K(2), K(3)], ctx)
-    out = m.prepare_store([K(10), K(11)], vbase.ReqContext(req_id="b"))
-    assert out.evicted_keys == [K(3)]
-
-
-def test_a_context_with_its_own_position_method_orders_our_lru():
-    """A ReqContext subclass that answers positions its own way: our LRU asks it."""
+@pytest.mark.parametrize("source", ["scheduler table", "own method"])
+def test_the_requests_token_positions_order_our_lru(source):
+    """vLLM's ReqContext positions reach our LRU — those its scheduler records, or those a
+    subclass answers its own way: a running request's tail goes first, and the context keeps
+    one of ours for every call of the request."""
     if not hasattr(vbase.ReqContext, "get_offload_key_position"):
         pytest.skip("this vLLM's ReqContext has no token positions")
-
     where = {K(i): 16 * (i + 1) for i in range(4)}
 
     class Spaced(vbase.ReqContext):
         def get_offload_key_position(self, key):
             return where.get(key)
 
+    if source == "own method":
+        ctx = Spaced(req_id="a")
+    else:
+        ctx = vbase.ReqContext(req_id="a")
+        for k, pos in where.items():
+            ctx.set_offload_key_position(k, pos)
     spec = KVEventsOffloadingSpec(offloading_config({"cpu_bytes_to_use": 5 * 2 * PAGE}))
     m = spec.get_manager()
-    ctx = Spaced(req_id="a")
     m.prepare_store([K(2), K(3)], ctx)  # the tail offered first (a backfill)
     m.prepare_store([K(0), K(1)], ctx)
     m.complete_store([K(0), K(1), K(2), K(3)], ctx)
