@@ -28,6 +28,15 @@ skip_ws(const char *p, const char *end)
     return p;
 }
 
+/* the end of [p, end) without its trailing JSON whitespace */
+static inline const char *
+trim_ws(const char *p, const char *end)
+{
+    while (end > p && (end[-1] == ' ' || end[-1] == '\t' || end[-1] == '\n' || end[-1] == '\r'))
+        end--;
+    return end;
+}
+
 /* ------------------------------------------------------------------ the token array */
 
 /* the value of the k (1..8) decimal digits that start the 8 bytes x (first byte lowest), SWAR:
@@ -282,8 +291,7 @@ py_json_tokens(PyObject *self, PyObject *raw)
     const char *p = b.buf, *end = p + b.len, *after = NULL;
     PyObject *res;
     p = skip_ws(p, end);
-    while (end > p && (end[-1] == ' ' || end[-1] == '\t' || end[-1] == '\n' || end[-1] == '\r'))
-        end--;
+    end = trim_ws(p, end);
     /* '[' ... ']' with the ']' last: the parser's scans stop at it */
     if (end - p < 2 || *p != '[' || end[-1] != ']')
         res = Py_NewRef(Py_None);
@@ -322,9 +330,7 @@ py_json_request(PyObject *self, PyObject *body)
     int seen[3] = {0, 0, 0};
     PyObject *res = NULL, *arr = NULL;
     p = skip_ws(p, end);
-    const char *last = end;
-    while (last > p && (last[-1] == ' ' || last[-1] == '\t' || last[-1] == '\n' || last[-1] == '\r'))
-        last--;
+    const char *last = trim_ws(p, end);
     if (p >= end || *p != '{' || last - p < 2 || last[-1] != '}')
         goto other;
     p = skip_ws(p + 1, end);

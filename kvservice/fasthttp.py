@@ -249,18 +249,12 @@ class FastHttp(asyncio.Protocol):
                 token = site.token
                 if token is None or (auth is not None and auth.startswith(b"Bearer ")
                                      and hmac.compare_digest(auth[7:].strip(), token)):
-                    if route in _PROXIED:  # answered by the proxy's task; later requests wait for it
+                    if route in _PROXIED:  # answered by the proxy's task; later requests are held for it
                         self.task = site.loop.create_task(self._proxied(route, data[he + 4:end], lines, close))
-                        if end < n:
-                            buf += data[end:]
-                            self._hold(len(buf))
-                        elif self.held:
-                            self._hold(0)
-                        return
-                    if ctype and ctype.partition(b";")[0].strip().lower() not in _OK_TYPES:
-                        answer = None
-                    else:
-                        answer = site.answer(route, memoryview(data)[he + 4:end], close)  # the body, not copied
+                        pos = end
+                        break
+                    answer = site.answer(route, memoryview(data)[he + 4:end], close) if (  # the body, not copied
+                        not ctype or ctype.partition(b";")[0].strip().lower() in _OK_TYPES) else None
                     if answer is not None:
                         self.transport.write(answer)
                         if close:
@@ -381,7 +375,7 @@ class FastHttp(asyncio.Protocol):
         body = error_body(status, message, None, kind)
         t.write(b"".join((f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json; charset=utf-8\r\n"
                           f"Content-Length: {len(body)}\r\nConnection: close\r\n".encode(), b"Date: ",
-                          self.site._date.get(), b"\r\nServer: kvevents\r\n\r\n", body)))
+                          self.site.date(), b"\r\nServer: kvevents\r\n\r\n", body)))
         t.close()
 
     def _hold(self, n: int) -> None:
@@ -462,6 +456,6 @@ class FastSite(web.TCPSite):
             return None
         api.metrics.observe(route, "POST", 200, time.perf_counter() - t0)
         return b"".join((b"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: ",
-                         str(len(out)).encode(), b"\r\nDate: ", self._date.get(),
+                         str(len(out)).encode(), b"\r\nDate: ", self.date(),
                          b"\r\nServer: kvevents\r\nConnection: close\r\n\r\n" if close else b"\r\nServer: kvevents\r\n\r\n",
                          out))
