@@ -92,9 +92,6 @@ class _ReqState:
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
     finish_called: bool = False  # request_finished was called (a second call is a repeat)
-    #: key -> end token of its chunk, for every key handed to the manager (the context's
-    #: ``key_positions``: the LRU orders the request's blocks head to tail by it)
-    positions: dict[OffloadKey, int] = field(default_factory=dict)
 
 
 class OffloadingConnectorScheduler:
@@ -160,7 +157,7 @@ class OffloadingConnectorScheduler:
         """The keys of ``chunks`` of the request, their token positions noted for the manager."""
         keys = [self.chunk_key(st.request, c) for c in chunks]
         obs = self.offloaded_block_size
-        st.positions.update(zip(keys, ((c + 1) * obs for c in chunks)))
+        st.ctx.key_positions.update(zip(keys, ((c + 1) * obs for c in chunks)))
         return keys
 
     def policy_of(self, req_id: str) -> OffloadPolicy | None:
@@ -215,10 +212,11 @@ class OffloadingConnectorScheduler:
         if st is not None:
             st.request = request
             return st.policy
-        positions: dict[OffloadKey, int] = {}
-        ctx = ReqContext(request.req_id, request.kv_transfer_params, positions)
+        # key -> end token of its chunk, for every key handed to the manager (the LRU orders the
+        # request's blocks head to tail by it)
+        ctx = ReqContext(request.req_id, request.kv_transfer_params, {})
         policy = self.manager.on_new_request(ctx).policy
-        self._requests[request.req_id] = _ReqState(request, ctx, policy, positions=positions)
+        self._requests[request.req_id] = _ReqState(request, ctx, policy)
         self._lifecycle.started(request.req_id)
         self.requests_seen += 1
         return policy
@@ -237,7 +235,7 @@ class OffloadingConnectorScheduler:
         limit = min(len(request.block_hashes) // k, (request.num_tokens - 1) // obs)
         n = 0
         retry = False
-        positions = st.positions
+        positions = st.ctx.key_positions
         for chunk in range(start, limit):
             self.lookups += 1
             key = self.chunk_key(request, chunk)

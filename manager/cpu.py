@@ -218,6 +218,8 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
         blocks = self._blocks
         to_store = [k for k in keys if k not in blocks]
+        if len(to_store) != len(set(to_store)):
+            to_store = list(dict.fromkeys(to_store))
         if self.admission is not None:
             to_store = self._admit(keys, to_store)
         rec = None
@@ -232,8 +234,6 @@ class CPUOffloadingManager(OffloadingManager):
                 self._used(used, rec)
         if not to_store:
             return PrepareStoreOutput([], LoadStoreSpec(self.medium, _EMPTY_IDS), [])
-        if len(to_store) != len(set(to_store)):
-            to_store = list(dict.fromkeys(to_store))
         n = len(to_store)
         free = self._free
         fresh = self._fresh
@@ -273,9 +273,7 @@ class CPUOffloadingManager(OffloadingManager):
         return PrepareStoreOutput(to_store, LoadStoreSpec(self.medium, np.array(ids, dtype=_int64)), evicted_keys)
 
     def _admit(self, keys: Sequence[OffloadKey], to_store: list[OffloadKey]) -> list[OffloadKey]:
-        """The keys of ``to_store`` the admission filter lets through (this offer counted)."""
-        if len(to_store) != len(set(to_store)):
-            to_store = list(dict.fromkeys(to_store))
+        """The keys of ``to_store`` (no repeats) the admission filter lets through (this offer counted)."""
         admitted = self.admission.offer(keys, to_store)  # type: ignore[union-attr]
         self.stores_not_admitted += len(to_store) - len(admitted)
         return admitted

@@ -6,8 +6,8 @@ knows nothing of ref counts beyond what :meth:`CachePolicy.evict` is handed: a b
 evictable iff ``ref_counts[block_id] == 0`` and its key is not in ``protected``.
 
 Requests: the manager hands a policy the :class:`RequestRecord` of the request behind an
-insert or a use. Its ``position`` says where a key sits in the request (a token position,
-growing from head to tail, or None), and its ``rank`` is a slot the policy may fill once per
+insert or a use. Its ``positions`` say where keys sit in the request (token positions,
+growing from head to tail; a key missing: unknown), and its ``rank`` is a slot the policy may fill once per
 request (0 until then): the LRU ranks every positioned block of one unfinished request
 together, tails before heads.
 """
