@@ -111,14 +111,14 @@ def our_context(req_context: Any) -> ReqContext:
         return ours
     if type(req_context) is ReqContext:
         return req_context
-    if hasattr(req_context, "__dict__"):
-        ours = req_context._kvevents_context = ReqContext(
-            req_context.req_id, req_context.kv_transfer_params, _key_positions(req_context))
+    slotted = not hasattr(req_context, "__dict__")  # then vLLM's per-request state keeps ours (0.33)
+    if slotted and (ours := req_context.get_state(ReqContext)) is not None:
         return ours
-    ours = req_context.get_state(ReqContext)  # a slotted context: vLLM's per-request state (0.33)
-    if ours is None:
-        ours = ReqContext(req_context.req_id, req_context.kv_transfer_params, _key_positions(req_context))
+    ours = ReqContext(req_context.req_id, req_context.kv_transfer_params, _key_positions(req_context))
+    if slotted:
         req_context.set_state(ours)
+    else:
+        req_context._kvevents_context = ours
     return ours
 
 
