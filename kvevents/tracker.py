@@ -246,11 +246,7 @@ class SeqTracker:
         self.probing = probe
         if probe:
             self.health.probes += 1
-        self.recovering = True
-        self.health.replay_requests += 1
-        self.request = self.expected
-        self.covers = max(self.pending, default=-1)
-        self.deadline = now + self.replay_timeout
+        self._ask(self.expected, now)
         return True
 
     def state(self, now: float, stale_after: float, connected: bool | None = None) -> HealthState:
@@ -321,9 +317,13 @@ class SeqTracker:
         self.expected = 0
 
     def _recover(self, start: int, now: float) -> None:
+        self.attempts += 1
+        self._ask(start, now)
+
+    def _ask(self, start: int, now: float) -> None:
+        """A replay from ``start`` for the socket layer to send (one in flight at a time)."""
         self.recovering = True
         self.health.replay_requests += 1
-        self.attempts += 1
         self.request = start
         self.covers = max(self.pending, default=-1)
         self.deadline = now + self.replay_timeout
