@@ -71,8 +71,7 @@ def _causal(batches):
     builds; after a reset of the pod in the replayed part, a replay that already knows the hash
     joins it in place, against a chain the reset removed, and the chunk extent inferred from
     chain depth differs (found by this test, 2026-11-27)."""
-    taught = {h for _, _, b in batches for ev in b.events if isinstance(ev, BlockStored) and ev.token_ids
-              for h in ev.block_hashes}
+    taught = {h for _, _, b in batches for ev in b.events if _teaches(ev) for h in ev.block_hashes}
     taught |= {h ^ _LORA for h in taught}
     out = []
     seen: set = set()
@@ -92,8 +91,9 @@ def _causal(batches):
             if isinstance(ev, BlockStored) and ev.token_ids:
                 if ev.parent_block_hash is not None and ev.parent_block_hash not in seen:
                     continue
-                seen.update(ev.block_hashes)
-                taught_to.setdefault(pod, set()).update(ev.block_hashes)
+                if _teaches(ev):
+                    seen.update(ev.block_hashes)
+                    taught_to.setdefault(pod, set()).update(ev.block_hashes)
             elif isinstance(ev, BlockStored):  # an offload: of blocks this pod computed before, or never taught
                 known = taught_to.get(pod, ())
                 hs = [h for h in ev.block_hashes if h in known or h not in taught]
@@ -119,6 +119,12 @@ def _causal(batches):
 
 
 _LORA = 0x5A5A_5A5A_5A5A_5A5A
+
+
+def _teaches(ev) -> bool:
+    """A GPU store the router learns hashes from: with tokens, of the first KV-cache group (it
+    ignores the others' events, so a parent stored only in another group is not known to it)."""
+    return isinstance(ev, BlockStored) and bool(ev.token_ids) and ev.group_idx in (None, 0)
 
 
 def _full(r: KVRouter) -> dict:
