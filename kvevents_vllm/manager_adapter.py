@@ -2,10 +2,11 @@
 
 What changes at the boundary, and nothing else (our manager's behaviour is untouched):
 
-- request contexts: each vLLM ``ReqContext`` gets one of ours, made on its first call and kept
-  with it: ``req_id``, ``kv_transfer_params`` and
-  ``key_positions`` = the token positions vLLM's scheduler records for it (its positions dict,
-  or its ``get_offload_key_position``), so our LRU orders a request's blocks by position;
+- request contexts: vLLM's ``ReqContext`` is handed to our manager as it is (it has our
+  ``req_id`` and ``kv_transfer_params``; our manager keeps its request record on it); the CPU
+  tier's ``key_positions_of`` reads the token positions vLLM's scheduler records for the
+  request (its positions dict, or its ``get_offload_key_position``), so our LRU orders a
+  request's blocks by position;
 - ``LookupResult`` / ``OffloadPolicy`` members mapped by meaning (ours ``BLOCK_LEVEL`` is vLLM's
   ``CHUNK_LEVEL``; our ``RETRY`` for a block being stored or promoted into the CPU tier is vLLM's
   ``HIT_PENDING``, any other ``RETRY`` stays ``RETRY``);
@@ -95,31 +96,15 @@ _TABLE = "_offload_key_positions" if "_offload_key_positions" in getattr(VReqCon
 
 def _key_positions(req_context: Any) -> Any:
     """Where vLLM's scheduler says the request's keys sit: its positions dict itself (filled as
-    the request runs; empty: the manager skips positions at once), or the context's own method."""
+    the request runs; empty: the manager skips positions at once), or the context's own method
+    (a context of ours, from a caller of ours: its own ``key_positions``)."""
+    if type(req_context) is ReqContext:
+        return req_context.key_positions
     if type(req_context) is VReqContext and _TABLE is not None:
         return getattr(req_context, _TABLE)
     if getattr(req_context, "get_offload_key_position", None) is None:
         return None
     return _PositionsOf(req_context)
-
-
-def our_context(req_context: Any) -> ReqContext:
-    """Our context for vLLM's ``req_context``: made on its first call, then the same one (kept on
-    vLLM's object, or in its per-request state where the object takes no new attribute)."""
-    ours = getattr(req_context, "_kvevents_context", None)
-    if ours is not None:
-        return ours
-    if type(req_context) is ReqContext:
-        return req_context
-    slotted = not hasattr(req_context, "__dict__")  # then vLLM's per-request state keeps ours (0.33)
-    if slotted and (ours := req_context.get_state(ReqContext)) is not None:
-        return ours
-    ours = ReqContext(req_context.req_id, req_context.kv_transfer_params, _key_positions(req_context))
-    if slotted:
-        req_context.set_state(ours)
-    else:
-        req_context._kvevents_context = ours
-    return ours
 
 
 def _cpu_spec(block_ids: Any) -> CPULoadStoreSpec:
@@ -150,6 +135,7 @@ class KVEventsManagerAdapter(VManager):
             self._media.setdefault(tier.medium, (Medium.STORAGE, getattr(tier, "tier_type", None)))
         for source in (self._primary, *(self._tiering.tiers if self._tiering else ())):
             source.event_factory = _event_factory(*self._media[source.medium])
+        self._primary.key_positions_of = _key_positions
         self._promoted: dict[bytes, CacheHitSource] = {}
         # what get_stats reports (vLLM's CPU-tier gauges and allocation histogram): blocks pinned
         # by stores and by loads in flight, and the size of each prepare_store since the last call
@@ -166,8 +152,7 @@ class KVEventsManagerAdapter(VManager):
 
     # -- lookups and loads -----------------------------------------------------------------
     def lookup(self, key: Any, req_context: VReqContext) -> VLookup:
-        # the CPU tier reads no context in lookup / complete_*; the tiering manager keeps it (promotions)
-        result = self._lookup(key, our_context(req_context) if self._tiering is not None else None)
+        result = self._lookup(key, req_context)
         if result is _HIT:
             return _V_HIT
         if result is _MISS:
@@ -186,12 +171,12 @@ class KVEventsManagerAdapter(VManager):
         return self._promoted.pop(key, CacheHitSource.HOST)
 
     def prepare_load(self, keys: Collection[Any], req_context: VReqContext) -> CPULoadStoreSpec:
-        spec = self.inner.prepare_load(keys, our_context(req_context))
+        spec = self.inner.prepare_load(keys, req_context)
         self._reading += len(keys)
         return _cpu_spec(spec.block_ids)
 
     def touch(self, keys: Collection[Any], req_context: VReqContext) -> None:
-        self.inner.touch(keys, our_context(req_context))
+        self.inner.touch(keys, req_context)
 
     def complete_load(self, keys: Collection[Any], req_context: VReqContext) -> None:
         if self._promoted:
@@ -199,11 +184,11 @@ class KVEventsManagerAdapter(VManager):
                 self._promoted.pop(key, None)
         left = self._reading - len(keys)
         self._reading = left if left > 0 else 0
-        self.inner.complete_load(keys, our_context(req_context) if self._tiering is not None else None)
+        self.inner.complete_load(keys, req_context)
 
     # -- stores ----------------------------------------------------------------------------
     def prepare_store(self, keys: Collection[Any], req_context: VReqContext) -> VPrepareStoreOutput | None:
-        out = self.inner.prepare_store(keys, our_context(req_context))
+        out = self.inner.prepare_store(keys, req_context)
         if out is None:
             self._allocations.append(len(keys))
             return None
@@ -217,16 +202,17 @@ class KVEventsManagerAdapter(VManager):
             self._ensure_bound()
         left = self._writing - len(keys)
         self._writing = left if left > 0 else 0
-        self.inner.complete_store(keys, our_context(req_context) if self._tiering is not None else None, success)
+        self.inner.complete_store(keys, req_context, success)
 
     # -- requests and steps ----------------------------------------------------------------
     def on_new_request(self, req_context: VReqContext) -> VRequestContext:
-        if self.inner.on_new_request(our_context(req_context)).policy is _REQUEST_LEVEL:
+        req_context.manager_state = None  # (where our manager keeps its record of the request)
+        if self.inner.on_new_request(req_context).policy is _REQUEST_LEVEL:
             return _REQUEST_CONTEXT
         return _CHUNK_CONTEXT
 
     def on_request_finished(self, req_context: VReqContext) -> None:
-        self.inner.on_request_finished(our_context(req_context))
+        self.inner.on_request_finished(req_context)
 
     def on_schedule_end(self, context: Any = None) -> None:
         if not self._bound:

@@ -116,9 +116,13 @@ class VllmTier(SecondaryTierManager):
             raise ConfigError(f"vllm tier {self.vllm_type!r} used before the host buffer was bound")
         return self.inner
 
-    def _ctx(self, ctx: ReqContext | None) -> VReqContext:
+    def _ctx(self, ctx: ReqContext | VReqContext | None) -> VReqContext:
+        """vLLM's context for the request: the one vLLM made (handed through our adapter), or
+        one made from ours (when our own connector drives the tier)."""
         if ctx is None:
             return self._anonymous
+        if isinstance(ctx, VReqContext):
+            return ctx
         v = self._contexts.get(ctx.req_id)
         if v is None:
             v = VReqContext(req_id=ctx.req_id, kv_transfer_params=ctx.kv_transfer_params)
@@ -155,8 +159,11 @@ class VllmTier(SecondaryTierManager):
         return out
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        v = self._contexts[req_context.req_id] = VReqContext(req_id=req_context.req_id,
-                                                            kv_transfer_params=req_context.kv_transfer_params)
+        if isinstance(req_context, VReqContext):
+            v = req_context
+        else:
+            v = self._contexts[req_context.req_id] = VReqContext(req_id=req_context.req_id,
+                                                                kv_transfer_params=req_context.kv_transfer_params)
         if self.inner is None:
             return RequestOffloadingContext()
         return RequestOffloadingContext(_POLICY[self.inner.on_new_request(v).policy])

@@ -116,7 +116,11 @@ class OffloadPolicy(enum.Enum):
 
 @dataclass(slots=True)
 class ReqContext:
-    """What a manager knows of a request. Built once per request by the connector."""
+    """What a manager knows of a request. Built once per request by the connector.
+
+    A manager also takes any object with ``req_id`` and ``kv_transfer_params`` that takes new
+    attributes (vLLM's own ``ReqContext``, as the plugin hands it over): it sets
+    ``manager_state`` on it, and reads positions with its ``key_positions_of``."""
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
@@ -190,6 +194,11 @@ class OffloadingManager(ABC):
     #: another framework's event type sets its own (the vLLM adapter's builds vLLM's event for
     #: this manager's medium, no conversion later)
     event_factory: Callable[..., Any] = OffloadingEvent
+    #: where a request's keys sit, read from its context once, when the manager first records
+    #: the request: None reads the context's ``key_positions``; an adapter whose contexts keep
+    #: positions elsewhere sets a reader ``(context) -> mapping or None`` (the vLLM adapter's
+    #: reads the table vLLM's scheduler fills)
+    key_positions_of: Callable[[Any], Mapping[OffloadKey, int] | None] | None = None
 
     @abstractmethod
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:

@@ -6,8 +6,9 @@ key of the current ``prepare_store``, are never evicted. ``prepare_store`` is al
 a failed ``complete_store`` frees its blocks (no stored event for them).
 
 Requests: each request's :class:`~manager.policies.RequestRecord` lives in its context
-(``ReqContext.manager_state``), made on its first call, so a request never announced still
-counts and one never finished leaves nothing behind here. It lists the keys the request stored
+(``ReqContext.manager_state``, set on whatever context object the caller hands over: ours, or
+vLLM's through the plugin's adapter), made on its first call, so a request never announced
+still counts and one never finished leaves nothing behind here. It lists the keys the request stored
 or used; ``on_request_finished`` refreshes them tail to head (head most recent), ordered by
 token position when the context gives every key's. ``reset_cache`` starts a new generation:
 records from before it are dropped, with the recency they held.
@@ -94,6 +95,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         self._cleanups: list[int] = []  # indexes in _events of never_stored removals
         self._generation = 0  # bumped by reset_cache: older request records are stale
+        self.key_positions_of = None  # (see OffloadingManager.key_positions_of)
         # Counters (plain ints).
         self.lookups = 0
         self.hits = 0
@@ -131,9 +133,14 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _record(self, req_context: ReqContext) -> RequestRecord:
         """The request's record, made on first use (or after a reset)."""
-        rec = req_context.manager_state
+        try:
+            rec = req_context.manager_state
+        except AttributeError:  # another framework's context, never announced to us
+            rec = None
         if rec is None or rec.owner is not self or rec.generation != self._generation:
-            rec = req_context.manager_state = RequestRecord(self, self._generation, req_context.key_positions)
+            reader = self.key_positions_of
+            positions = req_context.key_positions if reader is None else reader(req_context)
+            rec = req_context.manager_state = RequestRecord(self, self._generation, positions)
         return rec
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -141,7 +148,10 @@ class CPUOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        rec = req_context.manager_state
+        try:
+            rec = req_context.manager_state
+        except AttributeError:  # another framework's context, never seen here
+            return
         if rec is None or rec.owner is not self or rec.generation != self._generation:
             return  # never seen, finished already, or from before a reset
         req_context.manager_state = None

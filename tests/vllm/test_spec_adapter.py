@@ -259,32 +259,72 @@ def test_the_requests_token_positions_order_our_lru(source):
     assert out.evicted_keys == [K(3)]
 
 
-def test_every_kind_of_context_keeps_one_of_ours():
-    """A context without per-request state or positions (vLLM 0.32's shape): ours rides on it;
-    a slotted one that takes no new attribute: ours lives in its per-request state."""
-    from dataclasses import dataclass, field
-
-    from kvevents_vllm import manager_adapter
+def test_vllm_contexts_reach_our_manager_as_they_are():
+    """No context of ours is made per vLLM request: our manager keeps its request record on
+    vLLM's own object, its positions the very table vLLM's scheduler fills; a context of another
+    shape (no positions, no per-request state) is recorded too, without positions."""
+    from dataclasses import dataclass
 
     @dataclass
     class OldReqContext:
         req_id: str
         kv_transfer_params: dict | None = None
 
-    @dataclass(slots=True)
-    class SlottedReqContext:
-        req_id: str
-        kv_transfer_params: dict | None = None
-        state: dict = field(default_factory=dict)
+    m = KVEventsOffloadingSpec(offloading_config({"cpu_bytes_to_use": 5 * 2 * PAGE})).get_manager()
+    ctx = vbase.ReqContext(req_id="a")
+    m.on_new_request(ctx)
+    rec = ctx.manager_state
+    assert rec is not None and not hasattr(ctx, "_kvevents_context")
+    if hasattr(ctx, "_offload_key_positions"):
+        assert rec.positions is ctx._offload_key_positions
+    m.prepare_store([K(0)], ctx)
+    assert ctx.manager_state is rec and rec.keys == [K(0)]
+    m.complete_store([K(0)], ctx)
+    m.on_request_finished(ctx)
+    assert ctx.manager_state is None
+    old = OldReqContext("b", {"a": 1})
+    m.prepare_store([K(1)], old)  # never announced: recorded on its first call
+    assert old.manager_state.positions is None and old.manager_state.keys == [K(1)]
+    m.complete_store([K(1)], old)
+    m.on_request_finished(old)
+    assert old.manager_state is None
+    assert m.lookup(K(1), old) == vbase.LookupResult.HIT
 
-        def get_state(self, kind):
-            return self.state.get(kind)
 
-        def set_state(self, value):
-            self.state[type(value)] = value
+def test_a_vllm_written_tier_gets_the_context_vllm_made():
+    """Through the adapter a vLLM-written tier is handed vLLM's own request context (its
+    positions, hints and state included), not a copy rebuilt from ours; driven by our own
+    connector (a context of ours) it gets one made for the request, the same on every call."""
+    from kvevents_vllm.vllm_tiers import VllmTier
+    from manager.base import ReqContext
 
-    for ctx in (OldReqContext("r", {"a": 1}), SlottedReqContext("r", {"a": 1})):
-        ours = manager_adapter.our_context(ctx)
-        assert manager_adapter.our_context(ctx) is ours
-        assert (ours.req_id, ours.kv_transfer_params, ours.key_positions) == ("r", {"a": 1}, None)
-    assert list(ctx.state.values()) == [ours]
+    class Seen:
+        def __init__(self):
+            self.contexts = []
+
+        def lookup(self, key, req_context):
+            self.contexts.append(req_context)
+            return vbase.LookupResult.MISS
+
+        def on_new_request(self, req_context):
+            self.contexts.append(req_context)
+            return vbase.RequestOffloadingContext()
+
+        def on_request_finished(self, req_context):
+            self.contexts.append(req_context)
+
+    inner = Seen()
+    tier = VllmTier("seen", tier=inner)
+    vctx = vbase.ReqContext(req_id="a")
+    tier.on_new_request(vctx)
+    tier.lookup(K(0), vctx)
+    tier.on_request_finished(vctx)
+    assert all(c is vctx for c in inner.contexts) and len(inner.contexts) == 3
+    inner.contexts.clear()
+    ours = ReqContext("b", {"x": 1})
+    tier.on_new_request(ours)
+    tier.lookup(K(0), ours)
+    tier.on_request_finished(ours)
+    made = inner.contexts[0]
+    assert type(made) is vbase.ReqContext and (made.req_id, made.kv_transfer_params) == ("b", {"x": 1})
+    assert all(c is made for c in inner.contexts)
