@@ -263,3 +263,93 @@ def test_late_join_without_a_replay_answer_reports_the_start_as_a_gap() -> None:
     out = t.tick(2.6)
     assert [(d.kind, d.seq, d.missed) for d in out] == [(GAP, 0, 7), (BATCH, 7, 0)]
     assert t.health.unrecoverable == 7
+
+
+class _HandRun:
+    """One run of a hand-driven publisher (PUB + ROUTER, bound on the endpoints of the run before
+    it): its live frames and its replay answers, each sent when the test says."""
+
+    def __init__(self, ep: str, rep: str) -> None:
+        import zmq
+
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(ep)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(rep)
+
+    def request(self, sub: Subscriber, got: list) -> tuple[bytes, int]:
+        """The next replay request, ``sub`` polled meanwhile (it sends from its poll loop)."""
+        from kvevents.transport.zmq.frames import parse_replay_request
+
+        assert collect_until(lambda: got.extend(sub.poll(10)) or self.router.poll(0)), "no replay request came"
+        return parse_replay_request(self.router.recv_multipart())
+
+    def answer(self, ident: bytes, seq: int, item) -> None:
+        from kvevents.transport.zmq.frames import replay_answer
+
+        self.router.send_multipart(replay_answer(ident, b"", seq, kvevents.encode_batch(item)))
+
+    def end(self, ident: bytes) -> None:
+        from kvevents.transport.zmq.frames import end_marker
+
+        self.router.send_multipart(end_marker(ident))
+
+    def live(self, seq: int, item) -> None:
+        self.pub.send_multipart([b"", seq.to_bytes(8, "big"), kvevents.encode_batch(item)])
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.router.close(0)
+
+
+def test_a_new_runs_live_copy_of_the_last_delivered_seq_is_not_the_restart_anchor() -> None:
+    """The old run's batches came only by replay (a late join still being answered) when the
+    publisher restarted. The reconnect's check asks the new run for the last delivered seq, and
+    the new run's *live* frame at that seq comes first: it is not delivered (that seq was), so it
+    must not become the batch the check compares against; then the check finds another run
+    (RESET) instead of the new run's copy equal to itself, and the new run is never spliced on.
+    (The kill -9 test found it under load: about 1 in 600 runs.)"""
+    ep, rep = ipc_pair()
+    old = _HandRun(ep, rep)
+    sub = Subscriber([(ep, rep, "p")], late_join=True, replay_timeout=30.0, tail_probe_after=None)
+    new = None
+    got: list = []
+    try:
+        ident, start = old.request(sub, got)
+        assert start == 0
+        for i in range(4):  # the old run's 0..3; the answer goes on (no end marker yet)
+            old.answer(ident, i, batch(100 + i))
+        assert collect_until(lambda: got.extend(sub.poll(10)) or (seqs(got) == [0, 1, 2, 3]
+                                                                   and sub.health()["p"].connected))
+        old.close()  # killed
+        new = _HandRun(ep, rep)
+        ident, start = new.request(sub, got)  # the reconnect's check, from the last delivered seq
+        assert start == 3
+        received = sub.health()["p"].received
+        # the new run's live frame at that seq, read before the check's answer
+        assert collect_until(lambda: new.live(3, batch(203)) or got.extend(sub.poll(10))
+                             or sub.health()["p"].received > received)
+        for i in (3, 4):
+            new.answer(ident, i, batch(200 + i))
+        new.end(ident)
+        collect_until(lambda: got.extend(sub.poll(10)) or RESET in [d.kind for d in got] or len(seqs(got)) > 4,
+                      deadline=5.0)
+        assert RESET in [d.kind for d in got], f"the new run spliced on: {[(d.kind.value, d.seq) for d in got]}"
+        ident, start = new.request(sub, got)  # after the RESET: the new run from 0
+        assert start == 0
+        for i in range(5):
+            new.answer(ident, i, batch(200 + i))
+        new.end(ident)
+        assert collect_until(lambda: got.extend(sub.poll(10)) or len(seqs(_after_reset(got))) >= 5)
+        before = got[:[d.kind for d in got].index(RESET)]
+        assert [d.batch for d in before if d.kind is BATCH] == [batch(100 + i) for i in range(4)]
+        assert [d.batch for d in _after_reset(got) if d.kind is BATCH] == [batch(200 + i) for i in range(5)]
+        assert sub.health()["p"].resets == 1
+    finally:
+        sub.close()
+        old.close()
+        if new is not None:
+            new.close()

@@ -334,9 +334,11 @@ class Subscriber(EventSource):
         if hooks is not None and not seq % hooks.every:  # live receive hooks: sampled seqs only
             hooks.on_receive(peer.name, topic, seq, batch, len(payload), t0, False)
         tracker = peer.tracker
-        out.extend(tracker.on_live(seq, batch, now, topic))
-        if tracker.expected == seq + 1:  # delivered (or the latest delivered): the restart anchor
-            peer.anchor_seq, peer.anchor, peer.anchor_run = seq, payload, tracker.health.resets
+        got = tracker.on_live(seq, batch, now, topic)
+        if got:
+            out.extend(got)
+            if got[-1].seq == seq and tracker.expected == seq + 1:  # delivered now: the restart anchor
+                peer.anchor_seq, peer.anchor, peer.anchor_run = seq, payload, tracker.health.resets
         if tracker.request is not None:
             self._send_request(peer)
 
@@ -384,9 +386,11 @@ class Subscriber(EventSource):
                 batch = None
         if hooks is not None:
             hooks.on_receive(peer.name, frames[1].decode(errors="replace"), seq, batch, len(frames[3]), t0, True)
-        out.extend(tracker.on_replay(seq, batch, now))
-        if tracker.expected == seq + 1:
-            peer.anchor_seq, peer.anchor, peer.anchor_run = seq, frames[3], tracker.health.resets
+        got = tracker.on_replay(seq, batch, now)
+        if got:
+            out.extend(got)
+            if got[-1].seq == seq and tracker.expected == seq + 1:  # (as for a live frame)
+                peer.anchor_seq, peer.anchor, peer.anchor_run = seq, frames[3], tracker.health.resets
 
     def rejoin(self, publisher: str) -> bool:
         """Ask ``publisher``'s replay socket again for everything from seq 0, if nothing has been
