@@ -131,13 +131,21 @@ class CPUOffloadingManager(OffloadingManager):
 
     # -- OffloadingManager ------------------------------------------------------
 
-    def _record(self, req_context: ReqContext) -> RequestRecord:
-        """The request's record, made on first use (or after a reset)."""
+    def _live_record(self, req_context: ReqContext) -> RequestRecord | None:
+        """The request's record, if this manager made it since the last reset and the request
+        has not finished (else None)."""
         try:
             rec = req_context.manager_state
-        except AttributeError:  # another framework's context, never announced to us
-            rec = None
+        except AttributeError:  # another framework's context, never seen here
+            return None
         if rec is None or rec.owner is not self or rec.generation != self._generation:
+            return None
+        return rec
+
+    def _record(self, req_context: ReqContext) -> RequestRecord:
+        """The request's record, made on first use (or after a reset)."""
+        rec = self._live_record(req_context)
+        if rec is None:
             reader = self.key_positions_of
             positions = req_context.key_positions if reader is None else reader(req_context)
             rec = req_context.manager_state = RequestRecord(self, self._generation, positions)
@@ -148,11 +156,8 @@ class CPUOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        try:
-            rec = req_context.manager_state
-        except AttributeError:  # another framework's context, never seen here
-            return
-        if rec is None or rec.owner is not self or rec.generation != self._generation:
+        rec = self._live_record(req_context)
+        if rec is None:
             return  # never seen, finished already, or from before a reset
         req_context.manager_state = None
         keys = rec.keys  # (a key used twice: its first use decides, as refresh ends in order)
