@@ -159,11 +159,9 @@ class VllmTier(SecondaryTierManager):
         return out
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        if isinstance(req_context, VReqContext):
-            v = req_context
-        else:
-            v = self._contexts[req_context.req_id] = VReqContext(req_id=req_context.req_id,
-                                                                kv_transfer_params=req_context.kv_transfer_params)
+        v = self._ctx(req_context)
+        if v is not req_context:  # one of ours: the vLLM context made for it serves its later calls
+            self._contexts[req_context.req_id] = v
         if self.inner is None:
             return RequestOffloadingContext()
         return RequestOffloadingContext(_POLICY[self.inner.on_new_request(v).policy])
